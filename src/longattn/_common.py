@@ -1,0 +1,80 @@
+"""Validation and small helpers shared by every op (never backend-specific)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+    contiguous_last: bool = False,
+) -> torch.Tensor:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` matches the description.
+
+    ``shape`` entries of ``None`` are free. ``contiguous_last`` asks for stride 1 in the last dim.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for got, want in zip(t.shape, shape):
+            if want is not None and got != want:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (like the activations), got {t.device}")
+    if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    return t
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_out_dtype(out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    out = default if out_dtype is None else out_dtype
+    if out not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be {_dtype_names(FLOAT_DTYPES)}, got {out}")
+    return out
+
+
+def data_checks_allowed(t: torch.Tensor) -> bool:
+    """True when reading tensor *values* on the host is allowed (eager, not capturing a graph).
+
+    Data-dependent validation (positions in range, ...) syncs with the device; it is skipped
+    under torch.compile tracing and while a CUDA graph is being captured.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return t.device.type != "meta"
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round ``x`` once to ``dtype`` (round to nearest even) and return it in ``x``'s dtype."""
+    return x.to(dtype).to(x.dtype)

@@ -1,0 +1,3 @@
+from .api import rms_norm_rotary
+
+__all__ = ["rms_norm_rotary"]
