@@ -1,0 +1,96 @@
+"""The backend cascade: auto order, explicit requests, env overrides, debug log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longattn import _cascade
+
+
+def gates(triton_ok=True, chunked_ok=True):
+    def make(ok, why):
+        return lambda explicit: (ok, why)
+
+    return {
+        "triton": make(triton_ok, "triton gate says no" if not triton_ok else "ok"),
+        "chunked": make(chunked_ok, "chunked gate says no" if not chunked_ok else "ok"),
+        "reference": make(True, "ok"),
+    }
+
+
+def test_auto_picks_first_passing_tier():
+    assert _cascade.select_backend("op", "auto", gates()) == "triton"
+    assert _cascade.select_backend("op", "auto", gates(triton_ok=False)) == "chunked"
+    assert _cascade.select_backend("op", "auto", gates(False, False)) == "reference"
+
+
+def test_explicit_backend_that_cannot_run_names_the_gate():
+    with pytest.raises(RuntimeError, match="op: backend 'triton' cannot run: triton gate says no"):
+        _cascade.select_backend("op", "triton", gates(triton_ok=False))
+    assert _cascade.select_backend("op", "reference", gates()) == "reference"
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _cascade.select_backend("op", "cuda", gates())
+
+
+def test_env_disable_and_force(monkeypatch):
+    monkeypatch.setenv("LONGATTN_DISABLE_TRITON", "1")
+    _cascade.reload_env()
+    assert _cascade.select_backend("op", "auto", gates()) == "chunked"
+    with pytest.raises(RuntimeError, match="disabled by LONGATTN_DISABLE_TRITON=1"):
+        _cascade.select_backend("op", "triton", gates())
+    monkeypatch.setenv("LONGATTN_DISABLE_CHUNKED", "1")
+    _cascade.reload_env()
+    assert _cascade.select_backend("op", "auto", gates()) == "reference"
+    monkeypatch.delenv("LONGATTN_DISABLE_TRITON")
+    monkeypatch.delenv("LONGATTN_DISABLE_CHUNKED")
+    monkeypatch.setenv("LONGATTN_BACKEND", "reference")
+    _cascade.reload_env()
+    assert _cascade.select_backend("op", "auto", gates()) == "reference"
+    # An explicit request in code wins over the variable.
+    assert _cascade.select_backend("op", "chunked", gates()) == "chunked"
+    monkeypatch.setenv("LONGATTN_BACKEND", "triton")
+    _cascade.reload_env()
+    with pytest.raises(RuntimeError, match="'triton' cannot run"):
+        _cascade.select_backend("op", "auto", gates(triton_ok=False))
+    monkeypatch.setenv("LONGATTN_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LONGATTN_BACKEND"):
+        _cascade.reload_env()
+
+
+def test_env_is_read_once_per_process(monkeypatch):
+    _cascade.reload_env()
+    monkeypatch.setenv("LONGATTN_DISABLE_TRITON", "1")
+    assert _cascade.select_backend("op", "auto", gates()) == "triton"  # cached settings
+
+
+def test_debug_logs_choice_once(monkeypatch, capsys):
+    monkeypatch.setenv("LONGATTN_DEBUG", "1")
+    _cascade.reload_env()
+    for _ in range(3):
+        _cascade.select_backend("myop", "auto", gates(triton_ok=False))
+    err = capsys.readouterr().err
+    assert err.count("[longattn] myop: backend=chunked") == 1
+    assert "triton gate says no" in err
+
+
+def test_triton_device_gate_on_cpu():
+    cpu = torch.device("cpu")
+    ok, why = _cascade.triton_device_gate(cpu, (torch.float16,), explicit=False)
+    assert not ok
+    if _cascade.interpreter_active():
+        assert _cascade.triton_device_gate(cpu, (torch.float16,), explicit=True)[0]
+        ok, why = _cascade.triton_device_gate(cpu, (torch.bfloat16,), explicit=True)
+        assert not ok and "bf16" in why
+
+
+def test_describe_gates(monkeypatch):
+    monkeypatch.setenv("LONGATTN_DISABLE_CHUNKED", "1")
+    _cascade.reload_env()
+    d = _cascade.describe_gates(gates(triton_ok=False))
+    assert d["triton"] == (False, "triton gate says no")
+    assert d["chunked"][0] is False and "LONGATTN_DISABLE_CHUNKED" in d["chunked"][1]
+    assert d["reference"][0]
