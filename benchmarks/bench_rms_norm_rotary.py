@@ -60,10 +60,11 @@ def bench_shape(b, s, n, h, *, ceil, compiled):
     t_eager = _harness.bench(lambda x: eager_composition(x, w, cos, sin, n), sets)
     t_comp = _harness.bench(lambda x: compiled(x, w, cos, sin, n), sets)
     t_api = _harness.bench(api, sets)
-    best = None
+    best, sweep = None, []
     for bn, nw in CONFIGS:
         if bn <= n:
             t = _harness.bench(kernel, [(x, bn, nw) for (x,) in sets])
+            sweep.append(f"{bn}/{nw}:{t['median_us']:.1f}")
             if best is None or t["median_us"] < best[2]["median_us"]:
                 best = (bn, nw, t)
     rows = []
@@ -82,6 +83,7 @@ def bench_shape(b, s, n, h, *, ceil, compiled):
             "speedup_vs_compile": round(t_comp["median_us"] / us, 2),
             "floor_us": round(nbytes / (ceil["copy_TBps"] * 1e12) * 1e6, 2),
             "rel_rmse_vs_fp64": f"{err:.3e} (floor {floor:.3e})" if "longattn" in name else "",
+            "sweep BLOCK_N/warps:us": " ".join(sweep) if "best" in name else "",
         })  # fmt: skip
     print("\n".join(str(r) for r in rows), flush=True)
     return rows

@@ -1,8 +1,9 @@
 """Triton RMSNormRotary: one pass over x (read once, write once), fp32 math in registers.
 
 Grid: (tokens, cdiv(num_heads, BLOCK_N)). Each program normalizes BLOCK_N heads of one token and
-rotates them. The rotary partner of each channel is read with a second, gathered load of the same
-row (it hits L1; DRAM traffic stays one read of x).
+rotates them, working on rotary pairs (a_i, b_i): the two halves (split layout) or the even/odd
+channels (interleaved), plus the pass-through channels of a partial rotary. Every element of x is
+read once and written once.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def _rms_norm_rotary_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROT_OFF: tl.constexpr,
     ROT_DIM: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     EXACT: tl.constexpr,
@@ -53,53 +56,63 @@ def _rms_norm_rotary_kernel(
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
 
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_h = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
-    mask_h = offs_h < HEAD
-    mask = (offs_n < NUM_HEADS)[:, None] & mask_h[None, :]  # [BLOCK_N, HEAD_PAD]
+    mask_n = (offs_n < NUM_HEADS)[:, None]  # [BLOCK_N, 1]
     row = offs_n.to(tl.int64)[:, None] * HEAD  # [BLOCK_N, 1]
-    x_row = x_ptr + b * stride_xb + s * stride_xs
+    x_row = x_ptr + b * stride_xb + s * stride_xs + row
+    o_row = out_ptr + b * stride_ob + s * stride_os + row
 
-    x = tl.load(x_row + row + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)  # [BLOCK_N]
-    w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # [HEAD_PAD]
-    y = x * inv_rms[:, None] * w[None, :]  # [BLOCK_N, HEAD_PAD]
-    if not EXACT:
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-    # Rotary: channel j (relative to ROT_OFF) pairs with its partner; outside the rotary range
-    # cos = 1 and sin = 0 make the formula a pass-through.
+    # Work in pair space: rotary pair i couples channels (a_i, b_i); the other channels
+    # (partial rotary) pass through. Every channel of x is loaded exactly once.
     HALF: tl.constexpr = ROT_DIM // 2
-    j = offs_h - ROT_OFF  # [HEAD_PAD]
-    in_rot = (j >= 0) & (j < ROT_DIM) & mask_h
+    offs_i = tl.arange(0, HALF_PAD)  # [HALF_PAD]
+    mask_i = offs_i < HALF
     if INTERLEAVED:
-        first = (j % 2) == 0
-        partner = tl.where(first, j + 1, j - 1)
-        c_idx = j // 2
+        ch_a = ROT_OFF + 2 * offs_i
+        ch_b = ch_a + 1
     else:
-        first = j < HALF
-        partner = tl.where(first, j + HALF, j - HALF)
-        c_idx = tl.where(first, j, j - HALF)
-    partner_h = tl.where(in_rot, partner + ROT_OFF, offs_h)  # [HEAD_PAD]
-    c_idx = tl.where(in_rot, c_idx, 0)
-    xp = tl.load(x_row + row + partner_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner_h, mask=mask_h, other=0.0).to(tl.float32)
-    yp = xp * inv_rms[:, None] * wp[None, :]  # [BLOCK_N, HEAD_PAD]
-    if not EXACT:
-        yp = yp.to(x_ptr.dtype.element_ty).to(tl.float32)
-    cos = tl.load(cos_ptr + pos * stride_cos + c_idx, mask=in_rot, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + c_idx, mask=in_rot, other=0.0).to(tl.float32)
-    sin = tl.where(first, -sin, sin)  # [HEAD_PAD]
-    out = y * cos[None, :] + yp * sin[None, :]  # [BLOCK_N, HEAD_PAD]
+        ch_a = ROT_OFF + offs_i
+        ch_b = ch_a + HALF
+    mask_p = mask_n & mask_i[None, :]  # [BLOCK_N, HALF_PAD]
+    xa = tl.load(x_row + ch_a[None, :], mask=mask_p, other=0.0).to(tl.float32)
+    xb = tl.load(x_row + ch_b[None, :], mask=mask_p, other=0.0).to(tl.float32)
+    sumsq = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)  # [BLOCK_N]
+    if IS_PARTIAL:
+        offs_h = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+        is_pass = (offs_h < ROT_OFF) | ((offs_h >= ROT_OFF + ROT_DIM) & (offs_h < HEAD))
+        mask_h = mask_n & is_pass[None, :]  # [BLOCK_N, HEAD_PAD]
+        xp = tl.load(x_row + offs_h[None, :], mask=mask_h, other=0.0).to(tl.float32)
+        sumsq += tl.sum(xp * xp, axis=1)
+    inv_rms = tl.rsqrt(sumsq / HEAD + eps)[:, None]  # [BLOCK_N, 1]
 
-    o_row = out_ptr + b * stride_ob + s * stride_os
-    tl.store(o_row + row + offs_h[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    wa = tl.load(w_ptr + ch_a, mask=mask_i, other=0.0).to(tl.float32)[None, :]  # [1, HALF_PAD]
+    wb = tl.load(w_ptr + ch_b, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    ya = xa * inv_rms * wa  # [BLOCK_N, HALF_PAD]
+    yb = xb * inv_rms * wb
+    if not EXACT:  # legacy: the normalized value is rounded to x's dtype before the rotation
+        ya = ya.to(x_ptr.dtype.element_ty).to(tl.float32)
+        yb = yb.to(x_ptr.dtype.element_ty).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    cos = cos[None, :]  # [1, HALF_PAD]
+    sin = sin[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(o_row + ch_a[None, :], (ya * cos - yb * sin).to(out_ty), mask=mask_p)
+    tl.store(o_row + ch_b[None, :], (yb * cos + ya * sin).to(out_ty), mask=mask_p)
+    if IS_PARTIAL:
+        wp = tl.load(w_ptr + offs_h, mask=is_pass, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_row + offs_h[None, :], (xp * inv_rms * wp).to(out_ty), mask=mask_h)
 
 
 def _launch_config(num_heads: int, head: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): about 2K elements per program, at least 4 warps' worth of work."""
+    """(BLOCK_N, num_warps): about 4K elements (a whole token at 32x128) per program.
+
+    H200 sweep (benchmarks/results/rms_norm_rotary.md): 32x128 was best at BLOCK_N=32 / 8 warps,
+    16x256 at BLOCK_N=8-16; enough bytes in flight per SM is what matters for this
+    memory-bound kernel.
+    """
     head_pad = triton.next_power_of_2(head)
-    block_n = max(1, min(triton.next_power_of_2(num_heads), 2048 // head_pad))
-    num_warps = 4 if block_n * head_pad <= 2048 else 8
+    block_n = max(1, min(triton.next_power_of_2(num_heads), 4096 // head_pad))
+    num_warps = 8 if block_n * head_pad >= 4096 else 4
     return block_n, num_warps
 
 
@@ -151,9 +164,11 @@ def rms_norm_rotary_triton(
         NUM_HEADS=num_heads,
         HEAD=head,
         HEAD_PAD=triton.next_power_of_2(head),
+        HALF_PAD=triton.next_power_of_2(cos_cache.shape[1]),
         BLOCK_N=block_n,
         ROT_OFF=rotary_offset,
         ROT_DIM=2 * cos_cache.shape[1],
+        IS_PARTIAL=rotary_offset != 0 or 2 * cos_cache.shape[1] != head,
         HAS_POS=position_ids is not None,
         INTERLEAVED=interleaved,
         EXACT=exact,
