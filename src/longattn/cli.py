@@ -29,14 +29,17 @@ def _op_gates(device: torch.device) -> dict:
 
 
 def _extra_op_gates(device: torch.device) -> dict:
-    """Gates of the attention ops, where they exist in this build."""
-    out = {}
-    try:
-        from .gqa.api import info_gates as gqa_gates
-    except ImportError:
-        return out
-    out["group_query_attention (bf16, H=128)"] = gqa_gates(device)
-    return out
+    """Gates of the attention ops for a representative bf16 decode, H=128."""
+    from . import _cascade
+    from .gqa.api import triton_gate_reason
+
+    bf16 = torch.bfloat16
+    gqa = {
+        "triton": lambda explicit: triton_gate_reason(device, bf16, bf16, 128, False, explicit),
+        "chunked": _cascade.always,
+        "reference": _cascade.always,
+    }
+    return {"group_query_attention (bf16 cache, H=128)": gqa}
 
 
 def cmd_info(_args) -> int:

@@ -1,0 +1,358 @@
+"""GroupQueryAttention benchmark (H200): the Triton tier vs torch SDPA (cuDNN / flash).
+
+    PYTHONPATH=src python benchmarks/bench_gqa.py --out benchmarks/results
+
+Sections (results are rewritten after each one, so a cut-short run keeps what it measured):
+- ``tune``: a few prefill / decode launch configs at one shape each (informs the config tables).
+- ``prefill``: causal first prompt, bf16, (N, KV) = (32, 8), H in {128, 256}, B*S = 16K tokens,
+  S in {2K, 8K, 32K}. TFLOP/s with causal FLOPs = 4*B*N*H*S*S/2. ``ours_attn`` is the flash
+  kernel alone (what SDPA computes); ``ours_op`` adds the prologue (rotary + cache append).
+- ``decode``: S = 1, bf16 cache, (32, 8), H = 128, B in {1, 8, 32}, T in {4K, 32K, 128K}:
+  GB/s on the K/V bytes read, vs the measured copy bandwidth, and time vs SDPA.
+- ``cache``: int8 and fp16 caches (bf16 activations) vs the bf16 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from longattn._rotary import rope_cache  # noqa: E402
+from longattn.gqa._params import GQAParams  # noqa: E402
+from longattn.gqa.triton import launch  # noqa: E402
+from longattn.gqa.triton.launch import gqa_triton  # noqa: E402
+
+N, KV = 32, 8
+DEV = "cuda"
+
+
+def _params(h, s, t, first, cos, sin, k_scale=None, v_scale=None) -> GQAParams:
+    return GQAParams(
+        num_heads=N, kv_num_heads=KV, head_size=h, scale=1.0 / math.sqrt(h), softcap=0.0,
+        local_window_size=-1, do_rotary=True, rotary_interleaved=False, smooth_softmax=False,
+        qk_norm_epsilon=1e-6, is_first_prompt=first, total_sequence_length=t, cos_cache=cos,
+        sin_cache=sin, position_ids=None, attention_bias=None, head_sink=None,
+        q_norm_weight=None, k_norm_weight=None, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+
+
+def _sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[
+        backend_name
+    ]
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=True
+            )
+
+    return fn
+
+
+def _time_or_none(fn, sets, heavy=False):
+    """Median microseconds, or None when the callee rejects the inputs. ``heavy``: calls of
+    ~0.1 s or more (S = 32K prefill), timed with fewer repetitions."""
+    try:
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        if heavy:
+            return bench(fn, sets, warmup=1, reps=4)["median_us"]
+        return bench(fn, sets)["median_us"]
+    except Exception as exc:  # a backend that rejects the shape
+        print(f"    n/a: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _graph_time_or_none(fn, sets):
+    """Median microseconds of CUDA-graph replays of ``fn`` (one graph per input set): the GPU
+    time without Python launch overhead, as a graph-captured decode loop sees it."""
+    try:
+        graphs = []
+        for args in sets:
+            fn(*args)  # warm up / compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(*args)
+            graphs.append((g,))
+        return bench(lambda g: g.replay(), graphs)["median_us"]
+    except Exception as exc:
+        print(f"    graph n/a: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _prefill_sets(b, s, h, n_sets):
+    cos, sin = rope_cache(s, h, device=DEV)
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(b, s, N * h, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(b, s, KV * h, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(b, s, KV * h, device=DEV, dtype=torch.bfloat16)
+        pk = torch.empty(b, KV, s, h, device=DEV, dtype=torch.bfloat16)
+        pv = torch.empty_like(pk)
+        seqlens = torch.full((b,), s - 1, device=DEV, dtype=torch.int32)
+        sets.append((q, k, v, pk, pv, seqlens))
+    return sets, _params(h, s, s, True, cos, sin)
+
+
+def _prefill_attn_fn(p, cfg):
+    def fn(q_rot, pk, pv, seqlens, out):
+        launch.run_prefill(q_rot, pk, pv, seqlens, p, out, cfg)
+
+    return fn
+
+
+def _attn_sets_from(sets, p, h):
+    """(q_rot, pk, pv, seqlens, out) for the kernel alone, after one prologue per set."""
+    out_sets = []
+    for q, k, v, pk, pv, seqlens in sets:
+        b, s = q.shape[:2]
+        q_rot = torch.empty(b, s, N, h, device=DEV, dtype=torch.bfloat16)
+        launch.run_prologue(q, k, v, pk, pv, seqlens, p, q_rot)
+        out = torch.empty(b, s, N * h, device=DEV, dtype=torch.bfloat16)
+        out_sets.append((q_rot, pk, pv, seqlens, out))
+    return out_sets
+
+
+PREFILL_TUNE = {
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3)],
+}
+DECODE_TUNE = [(64, 4, 4), (64, 4, 3), (128, 4, 3), (32, 4, 4), (128, 8, 2)]
+
+
+def tune(rows, best):
+    for h in (128, 256):
+        b, s = 2, 8192
+        sets, p = _prefill_sets(b, s, h, 1)
+        asets = _attn_sets_from(sets, p, h)
+        flops = 4 * b * N * h * s * s / 2
+        for bm, bn, w, st in PREFILL_TUNE[h]:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            us = _time_or_none(_prefill_attn_fn(p, cfg), asets)
+            tf = flops / (us * 1e-6) / 1e12 if us else None
+            print(f"  tune prefill H={h} {cfg}: {us} us {tf} TFLOP/s", flush=True)
+            rows.append(dict(section="tune-prefill", H=h, S=s, B=b, cfg=str(cfg), us=us, TFLOPs=tf))
+            if tf and tf > best.get(("prefill", h), (0, None))[0]:
+                best[("prefill", h)] = (tf, cfg)
+        del sets, asets
+        torch.cuda.empty_cache()
+    for b, t in ((1, 32768), (32, 32768)):
+        sets, p = _decode_sets(b, t, torch.bfloat16, 1)
+        nbytes = 2 * b * KV * t * 128 * 2
+        for bn, w, st in DECODE_TUNE:
+            cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+            for mult in (1, 2):
+                splits = launch.choose_num_splits(b, KV, t, bn, 132) * mult
+                fn = _decode_fn(p, cfg, splits)
+                us = _time_or_none(fn, sets)
+                gbs = nbytes / (us * 1e-6) / 1e9 if us else None
+                print(f"  tune decode B={b} T={t} {cfg} splits={splits}: {us} us {gbs} GB/s")
+                rows.append(dict(section="tune-decode", B=b, T=t, cfg=str(cfg), splits=splits,
+                                 us=us, GBps=gbs))  # fmt: skip
+                key = ("decode", b)
+                if gbs and gbs > best.get(key, (0, None))[0]:
+                    best[key] = (gbs, (cfg, mult))
+        del sets
+        torch.cuda.empty_cache()
+
+
+def prefill(rows, best):
+    sdpa = {"cudnn": _sdpa("cudnn"), "flash": _sdpa("flash")}
+    for h in (128, 256):
+        cfg = best.get(("prefill", h), (0, None))[1]
+        for s in (2048, 8192, 32768):
+            b = max(1, 16384 // s)
+            per_set = b * s * (N + 2 * KV) * h * 2 * 2
+            sets, p = _prefill_sets(b, s, h, copies_for_l2(per_set, min_sets=1, max_sets=3))
+            flops = 4 * b * N * h * s * s / 2
+            row = dict(section="prefill", H=h, S=s, B=b, cfg=str(cfg))
+            heavy = s >= 32768
+            op_us = _time_or_none(
+                lambda q, k, v, pk, pv, sl, p=p, cfg=cfg: gqa_triton(
+                    q, k, v, pk, pv, sl, p, prefill_cfg=cfg
+                ),
+                sets,
+                heavy,
+            )
+            asets = _attn_sets_from(sets, p, h)
+            attn_us = _time_or_none(_prefill_attn_fn(p, cfg), asets, heavy)
+            sdpa_sets = [
+                (
+                    a[0].transpose(1, 2),  # [B, N, S, H] view of the rotated Q
+                    a[1],  # [B, KV, S, H] caches
+                    a[2],
+                    True,
+                )
+                for a in asets
+            ]
+            for name, fn in sdpa.items():
+                us = _time_or_none(fn, sdpa_sets, heavy)
+                row[f"{name}_us"] = us
+                row[f"{name}_TFLOPs"] = flops / (us * 1e-6) / 1e12 if us else None
+            row["ours_attn_us"] = attn_us
+            row["ours_attn_TFLOPs"] = flops / (attn_us * 1e-6) / 1e12 if attn_us else None
+            row["ours_op_us"] = op_us
+            row["ours_op_TFLOPs"] = flops / (op_us * 1e-6) / 1e12 if op_us else None
+            peers = [row[f"{n}_TFLOPs"] for n in sdpa if row[f"{n}_TFLOPs"]]
+            if peers and row["ours_attn_TFLOPs"]:
+                row["attn_vs_best_sdpa"] = row["ours_attn_TFLOPs"] / max(peers)
+            print(f"  {row}", flush=True)
+            rows.append(row)
+            del sets, asets, sdpa_sets
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def _decode_sets(b, t, cache_dtype, n_sets, h=128):
+    cos, sin = rope_cache(t + 1, h, device=DEV)
+    ks = vs = None
+    if cache_dtype == torch.int8:
+        ks = torch.full((KV, 1, h), 0.02, device=DEV)
+        vs = torch.full((KV, 1, h), 0.02, device=DEV)
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(b, 1, N * h, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(b, 1, KV * h, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(b, 1, KV * h, device=DEV, dtype=torch.bfloat16)
+        if cache_dtype == torch.int8:
+            pk = torch.randint(-127, 128, (b, KV, t, h), device=DEV, dtype=torch.int8)
+            pv = torch.randint(-127, 128, (b, KV, t, h), device=DEV, dtype=torch.int8)
+        else:
+            pk = torch.randn(b, KV, t, h, device=DEV, dtype=cache_dtype)
+            pv = torch.randn(b, KV, t, h, device=DEV, dtype=cache_dtype)
+        seqlens = torch.full((b,), t - 1, device=DEV, dtype=torch.int32)
+        sets.append((q, k, v, pk, pv, seqlens))
+    return sets, _params(h, 1, t, False, cos, sin, ks, vs)
+
+
+def _decode_fn(p, cfg=None, splits=None):
+    def fn(q, k, v, pk, pv, sl):
+        return gqa_triton(q, k, v, pk, pv, sl, p, decode_cfg=cfg, num_splits=splits)
+
+    return fn
+
+
+def _decode_set_count(b, t, itemsize):
+    return copies_for_l2(2 * b * KV * t * 128 * itemsize, min_sets=1, max_sets=8)
+
+
+def decode(rows, best, copy_tbs):
+    sdpa = {"cudnn": _sdpa("cudnn"), "flash": _sdpa("flash")}
+    for b in (1, 8, 32):
+        for t in (4096, 32768, 131072):
+            sets, p = _decode_sets(b, t, torch.bfloat16, _decode_set_count(b, t, 2))
+            nbytes = 2 * b * KV * t * 128 * 2
+            us = _time_or_none(_decode_fn(p), sets)
+            row = dict(section="decode", cache="bf16", B=b, T=t, KV_MB=nbytes / 1e6, ours_us=us)
+            row["ours_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
+            row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
+            row["pct_of_copy_bw"] = 100 * row["ours_GBps"] / (copy_tbs * 1e3) if us else None
+            q_sets = [
+                (torch.randn(b, N, 1, 128, device=DEV, dtype=torch.bfloat16), s[3], s[4], False)
+                for s in sets
+            ]
+            for name, fn in sdpa.items():
+                row[f"{name}_us"] = _time_or_none(fn, q_sets)
+            g_us = _graph_time_or_none(_decode_fn(p), sets)
+            row["ours_graph_us"] = g_us
+            row["ours_graph_GBps"] = nbytes / (g_us * 1e-6) / 1e9 if g_us else None
+            row["graph_pct_of_copy_bw"] = (
+                100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
+            )
+            row["cudnn_graph_us"] = _graph_time_or_none(sdpa["cudnn"], q_sets)
+            print(f"  {row}", flush=True)
+            rows.append(row)
+            del sets, q_sets
+            torch.cuda.empty_cache()
+
+
+def cache_dtypes(rows, copy_tbs):
+    for b in (1, 8, 32):
+        t = 131072
+        res = {}
+        for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("int8", torch.int8)):
+            sets, p = _decode_sets(b, t, dt, _decode_set_count(b, t, dt.itemsize))
+            res[name] = _graph_time_or_none(_decode_fn(p), sets)
+            nbytes = 2 * b * KV * t * 128 * dt.itemsize
+            row = dict(section="cache", B=b, T=t, cache=name, ours_graph_us=res[name])
+            row["ours_eager_us"] = _time_or_none(_decode_fn(p), sets)
+            row["ours_GBps"] = nbytes / (res[name] * 1e-6) / 1e9 if res[name] else None
+            row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
+            if res.get("bf16") and res[name]:
+                row["speedup_vs_bf16"] = res["bf16"] / res[name]
+            print(f"  {row}", flush=True)
+            rows.append(row)
+            if name == "int8" and b == 8:  # a small sweep of int8 tile shapes
+                for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 4, 3), (256, 8, 2)):
+                    cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                    us = _graph_time_or_none(_decode_fn(p, cfg), sets)
+                    gbs = nbytes / (us * 1e-6) / 1e9 if us else None
+                    rows.append(dict(section="tune-int8", B=b, T=t, cfg=str(cfg), graph_us=us,
+                                     GBps=gbs))  # fmt: skip
+                    print(f"  int8 {cfg}: {us} us {gbs} GB/s", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--sections", default="prefill,decode,cache")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    meta = gpu_meta()
+    ceil = measure_ceilings()
+    meta.update(ceil)
+    copy_tbs = ceil["copy_TBps"]
+    print(meta, flush=True)
+    notes = [
+        "prefill: causal first prompt, bf16, (N, KV) = (32, 8), rotary on; FLOPs = 4*B*N*H*S*S/2;"
+        " floor = FLOPs / measured bf16 GEMM rate. ours_attn = flash kernel alone (same work as"
+        " SDPA, which gets the rotated Q and the caches); ours_op = prologue + kernel.",
+        "decode: S = 1, (32, 8), H = 128; bytes = K + V cache rows read; floor_us = bytes / "
+        "measured copy bandwidth (read+write counted, as the harness measures it).",
+        "timing: benchmarks/_harness.bench (median, L2-busting rotation over input sets). "
+        "*_graph_us: CUDA-graph replay (GPU time only); *_us otherwise: eager calls, which "
+        "include Python launch overhead (3 Triton launches per decode call).",
+    ]
+    rows: list[dict] = []
+    best: dict = {}
+    sections = args.sections.split(",")
+    t0 = time.time()
+    for name, fn in (
+        ("tune", lambda: tune(rows, best)),
+        ("prefill", lambda: prefill(rows, best)),
+        ("decode", lambda: decode(rows, best, copy_tbs)),
+        ("cache", lambda: cache_dtypes(rows, copy_tbs)),
+    ):
+        if name not in sections:
+            continue
+        print(f"== {name} ({time.time() - t0:.0f}s)", flush=True)
+        fn()
+        meta["best_configs"] = {str(k): str(v) for k, v in best.items()}
+        write_results("gqa", meta, rows, notes=notes, out_dir=args.out)
+    print(f"done in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

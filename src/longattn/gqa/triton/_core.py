@@ -1,0 +1,112 @@
+"""Reusable Triton building blocks of the attention kernels (GQA now; Paged/DynamicSparse later).
+
+Conventions shared by every piece:
+- Logits live in the log2 domain: ``s = log2(e) * x`` where ``x`` is the natural-units logit of
+  spec.md (``scale * q.k``, softcap, + bias). The host folds ``log2(e)`` into the scalars, so the
+  softmax uses ``exp2`` only. An ``lse`` is ``m + log2(l)`` in the same domain.
+- All math is fp32. The only roundings are the dot operands (Q in the dot dtype, P rounded to
+  the V dtype for the P.V dot) and the one final rounding of the output.
+- Masked logits are ``-inf``; a row that saw nothing keeps ``m = -inf, l = 0`` and ends as zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tanh_f32(x):
+    """fp32 tanh from exp2 (portable: the interpreter has no libdevice); saturates cleanly."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def scores(
+    q,  # [M, HEAD] dot dtype
+    k,  # [BLOCK_N, HEAD] dot dtype
+    qk_scale,  # scale * log2(e) without softcap; scale / softcap with softcap
+    softcap_mult,  # softcap * log2(e) (used only with HAS_SOFTCAP)
+    bias,  # [M, BLOCK_N] fp32 natural-units bias (used only with HAS_BIAS)
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """log2-domain logits ``[M, BLOCK_N]`` fp32 of one K tile (mask not applied)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
+    if HAS_SOFTCAP:
+        s = tanh_f32(qk * qk_scale) * softcap_mult
+    else:
+        s = qk * qk_scale
+    if HAS_BIAS:
+        s = s + bias * 1.4426950408889634
+    return s
+
+
+@triton.jit
+def causal_window_mask(
+    qpos,  # [M] int32 absolute query positions
+    offs_n,  # [BLOCK_N] int32 absolute key positions
+    kv_hi,  # keys >= kv_hi are invalid (scalar or [M])
+    window,  # W (used only with HAS_WINDOW)
+    HAS_WINDOW: tl.constexpr,
+):
+    """``[M, BLOCK_N]`` bool: key j visible to the query at qpos (causal, length, window)."""
+    mask = (offs_n[None, :] <= qpos[:, None]) & (offs_n[None, :] < kv_hi)
+    if HAS_WINDOW:
+        mask = mask & (offs_n[None, :] > qpos[:, None] - window)
+    return mask
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+    """Fold one tile into the running (acc [M, HEAD], m [M], l [M]) state.
+
+    s: [M, BLOCK_N] fp32 log2-domain logits, -inf where masked; v: [BLOCK_N, HEAD] dot dtype.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay finite
+    alpha = tl.exp2(m_i - m_safe)  # [M]
+    p = tl.exp2(s - m_safe[:, None])  # [M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def add_sink(acc, m_i, l_i, sink2):
+    """Let the log2-domain sink logit ``sink2`` [M] join the denominator (no value vector)."""
+    m_new = tl.maximum(m_i, sink2)  # [M], finite
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.exp2(sink2 - m_new)
+    return acc * alpha[:, None], m_new, l_i
+
+
+@triton.jit
+def normalize(acc, l_i):
+    """acc / l with rows of l == 0 (nothing attended) giving zeros; [M, HEAD] fp32."""
+    inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [M]
+    return acc * inv[:, None]
+
+
+@triton.jit
+def load_kv_tile(
+    base,  # pointer to row 0 of this (batch, kv head) in the cache
+    offs_n,  # [BLOCK_N] int32 key positions
+    offs_d,  # [HEAD] int32
+    stride_row,
+    kv_hi,  # keys >= kv_hi are not read (they may hold garbage / NaN)
+    DOT_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers)."""
+    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
+    if MASKED:
+        t = tl.load(ptrs, mask=(offs_n < kv_hi)[:, None], other=0)
+    else:
+        t = tl.load(ptrs)
+    return t.to(DOT_DTYPE)

@@ -1,0 +1,225 @@
+"""Triton split-K decode (flash-decoding) kernels of GQA: S == 1 and small S.
+
+``gqa_decode_split_kernel`` grid: (KV, B, splits). One program owns one KV head of one
+sequence and one slice of its key range, and packs every query row that reads that KV head into
+one tile: row r = (new token s = r // GROUP, head kvh * GROUP + r % GROUP), padded to >= 16 rows
+for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 partials
+``o_part [B, S, N, splits, HEAD]`` (normalized) and ``lse_part [B, S, N, splits]``
+(log2 domain; -inf for an empty slice).
+
+``gqa_merge_kernel`` grid: (B * S * N,). Log-sum-exp merge of the slices, where the sink
+(head_sink / smooth_softmax) enters the denominator exactly once, then one rounding to the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._core import causal_window_mask, load_kv_tile, normalize, online_softmax_step, scores
+
+
+@triton.jit
+def _decode_block(
+    acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
+    window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
+    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One KV tile [start_n, start_n + BLOCK_N) (keys >= end unread) for every packed row."""
+    offs_d = tl.arange(0, HEAD)  # [HEAD]
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k = load_kv_tile(k_base, offs_n, offs_d, stride_kc, end, DOT_DTYPE, True)
+    bias = 0.0
+    if HAS_BIAS:
+        b_ptrs = (
+            bias_ptr
+            + b64 * stride_bias_b
+            + n_idx.to(tl.int64)[:, None] * stride_bias_n
+            + s_idx.to(tl.int64)[:, None] * stride_bias_s
+            + offs_n.to(tl.int64)[None, :] * stride_bias_t
+        )
+        b_mask = row_ok[:, None] & (offs_n < end)[None, :]
+        bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N]
+    s = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
+    s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
+    v = load_kv_tile(v_base, offs_n, offs_d, stride_vc, end, DOT_DTYPE, True)
+    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+
+
+@triton.jit
+def gqa_decode_split_kernel(
+    q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
+    k_ptr,  # [B, KV, C, HEAD] cache
+    v_ptr,
+    seqlens_ptr,  # [B] int32, total_len - 1
+    bias_ptr,  # [B|1, N|1, S, T]
+    vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
+    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
+    lse_part_ptr,  # [B, S, N, splits] fp32
+    seq_len,
+    window,
+    chunk,  # keys per split (multiple of BLOCK_N)
+    num_splits,
+    stride_qb,
+    stride_qs,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_bias_b,
+    stride_bias_n,
+    stride_bias_s,
+    stride_bias_t,
+    stride_vs_h,
+    stride_vs_d,
+    qk_scale,
+    softcap_mult,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FIRST_PROMPT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    total_len = tl.load(seqlens_ptr + b) + 1
+    if IS_FIRST_PROMPT:
+        offset = 0
+        rows_valid = tl.minimum(seq_len, total_len)
+    else:
+        offset = total_len - seq_len
+        rows_valid = seq_len
+
+    offs_r = tl.arange(0, ROWS_PAD)  # [ROWS_PAD]
+    offs_d = tl.arange(0, HEAD)  # [HEAD]
+    s_idx = offs_r // GROUP  # [ROWS_PAD] new-token index of each row
+    n_idx = kvh * GROUP + offs_r % GROUP  # [ROWS_PAD] query head of each row
+    in_rows = offs_r < seq_len * GROUP
+    row_ok = in_rows & (s_idx < rows_valid)
+    qpos = tl.where(row_ok, s_idx + offset, -1)  # rows that must see nothing get qpos -1
+
+    q_ptrs = (
+        q_ptr
+        + b64 * stride_qb
+        + s_idx.to(tl.int64)[:, None] * stride_qs
+        + n_idx.to(tl.int64)[:, None] * stride_qn
+        + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
+
+    kv_hi = tl.minimum(offset + rows_valid, total_len)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(offset - window + 1, 0)
+    start = kv_lo + split * chunk
+    end = tl.minimum(start + chunk, kv_hi)
+
+    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    acc = tl.zeros([ROWS_PAD, HEAD], dtype=tl.float32)  # [ROWS_PAD, HEAD]
+    m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
+    if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range (see prefill._attend_range)
+        start_n = start
+        while start_n < end:
+            acc, m_i, l_i = _decode_block(
+                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC,
+            )  # fmt: skip
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _decode_block(
+                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, HAS_WINDOW,
+                HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC,
+            )  # fmt: skip
+
+    o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
+    if HAS_VSCALE:
+        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
+        o = o * vs[None, :]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    part = ((b64 * seq_len + s_idx) * NUM_HEADS + n_idx) * num_splits + split  # [ROWS_PAD]
+    tl.store(lse_part_ptr + part, lse, mask=in_rows)
+    tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
+
+
+@triton.jit
+def gqa_merge_kernel(
+    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
+    lse_part_ptr,  # [B, S, N, splits] fp32
+    sink_ptr,  # [N]
+    o_ptr,  # [B, S, N * HEAD] activation dtype
+    seq_len,
+    num_splits,
+    stride_ob,
+    stride_os,
+    NUM_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SINK_FROM_PTR: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * N + n
+    n = row % NUM_HEADS
+    bs = row // NUM_HEADS
+    b = bs // seq_len
+    s = bs % seq_len
+    offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    offs_d = tl.arange(0, HEAD)  # [HEAD]
+    p_mask = offs_p < num_splits
+    lse = tl.load(lse_part_ptr + row * num_splits + offs_p, mask=p_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = tl.load(sink_ptr + n).to(tl.float32) * 1.4426950408889634
+        else:
+            sink2 = 0.0
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD]
+    den = tl.sum(w, 0)
+    if HAS_SINK:
+        den = den + tl.exp2(sink2 - m_safe)
+    o_ptrs = o_part_ptr + (row * num_splits + offs_p)[:, None] * HEAD + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=p_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD]
+    out = tl.sum(o * w[:, None], 0)  # [HEAD]
+    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+    dst = o_ptr + b * stride_ob + s * stride_os + n * HEAD + offs_d
+    tl.store(dst, out.to(o_ptr.dtype.element_ty))
+
+
+def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size, dot and cache
+    dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
+    int8 tiles use twice the keys (same bytes per tile); measured equal to BLOCK_N=64 (~2.8 TB/s):
+    the int8 path is bound by the int8 -> 16-bit conversions, not by the tile shape."""
+    if interpret:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if dot_dtype.itemsize == 4:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    block_n = 64 if head <= 128 else 32
+    if cache_dtype == torch.int8:
+        block_n *= 2
+    return dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)

@@ -1,0 +1,340 @@
+"""Host side of the Triton GQA tier: prologue, then the prefill or the split-K decode kernels.
+
+No host synchronization anywhere (decode is CUDA-graph capturable): every per-sequence quantity
+is read on the device; the host uses only shapes and ``p.total_sequence_length``.
+
+Dot dtype (the dtype of the rotated-Q scratch buffer and of the tensor-core operands): fp16 when
+the cache is fp16 (bf16 activations with an fp16 cache: both operands then carry 11 significant
+bits), else the activation dtype (int8 cache values are exact integers in any of them). fp32
+activations use exact fp32 dots (``input_precision="ieee"``), never tf32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._params import GQAParams
+from ._core import LOG2E
+from .decode import decode_config, gqa_decode_split_kernel, gqa_merge_kernel
+from .prefill import gqa_prefill_kernel, prefill_config
+from .prologue import gqa_prologue_kernel, prologue_block_heads
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+DECODE_MAX_ROWS = 64  # S * group up to this runs on the split-K decode kernel
+SUPPORTED_HEADS = (16, 32, 64, 128, 256)  # power-of-two head sizes (tests use 16/32)
+
+
+_empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    if _interpret() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of Q scratch and of the tensor-core operands (see the module docstring)."""
+    return torch.float16 if cache_dtype == torch.float16 else act_dtype
+
+
+def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int) -> int:
+    """Splits of the key range so that B * KV * splits fills the SMs a few waves deep.
+
+    A power of two (bounds the merge kernel's variants), each split at least 4 KV blocks long.
+    Uses host-known sizes only.
+    """
+    target = 4 * num_sms
+    want = triton.cdiv(target, max(batch * kv_heads, 1))
+    cap = max(1, triton.cdiv(span, 4 * block_n))
+    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 256))
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(stride over kv heads, stride over channels) of a [1] or [KV, 1, H] scale."""
+    if scale is None or scale.dim() == 1:
+        return 0, 0
+    return scale.stride(0), scale.stride(2)
+
+
+def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    if bias is None:
+        return 0, 0, 0, 0
+    return tuple(0 if bias.shape[i] == 1 else bias.stride(i) for i in range(4))
+
+
+def _logit_scalars(p: GQAParams) -> tuple[float, float]:
+    """(qk_scale, softcap_mult) of ``_core.scores``."""
+    if p.softcap > 0:
+        return p.scale / p.softcap, p.softcap * LOG2E
+    return p.scale * LOG2E, 0.0
+
+
+def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot):
+    """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches."""
+    b, s, _ = query.shape
+    n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
+    if key is None:  # packed QKV
+        key = query[..., n * h : (n + kv) * h]
+        value = query[..., (n + kv) * h :]
+    block_h, num_warps = prologue_block_heads(n, kv, h)
+    cos, sin = p.cos_cache, p.sin_cache
+    has_rot = p.do_rotary and cos is not None
+    pos = p.position_ids
+    quant_k = present_key.dtype == torch.int8
+    quant_v = present_value.dtype == torch.int8
+    ks, vs = p.k_scale, p.v_scale
+    ks_h, ks_d = _scale_strides(ks if quant_k else None)
+    vs_h, vs_d = _scale_strides(vs if quant_v else None)
+    grid = (b * s, triton.cdiv(n, block_h) + triton.cdiv(kv, block_h))
+    gqa_prologue_kernel[grid](
+        q_ptr=query,
+        k_ptr=key,
+        v_ptr=value,
+        qn_w_ptr=p.q_norm_weight if p.q_norm_weight is not None else query,
+        kn_w_ptr=p.k_norm_weight if p.k_norm_weight is not None else query,
+        cos_ptr=cos if has_rot else query,
+        sin_ptr=sin if has_rot else query,
+        pos_ptr=pos if pos is not None else seqlens_k,
+        seqlens_ptr=seqlens_k,
+        qout_ptr=q_rot,
+        kc_ptr=present_key,
+        vc_ptr=present_value,
+        ks_ptr=ks if quant_k else q_rot,
+        vs_ptr=vs if quant_v else q_rot,
+        seq_len=s,
+        max_pos=cos.shape[0] if has_rot else 1,
+        cache_len=present_key.shape[2],
+        stride_qb=query.stride(0),
+        stride_qs=query.stride(1),
+        stride_kb=key.stride(0),
+        stride_ks=key.stride(1),
+        stride_vb=value.stride(0),
+        stride_vs=value.stride(1),
+        stride_qob=q_rot.stride(0),
+        stride_qos=q_rot.stride(1),
+        stride_kcb=present_key.stride(0),
+        stride_kch=present_key.stride(1),
+        stride_kcc=present_key.stride(2),
+        stride_vcb=present_value.stride(0),
+        stride_vch=present_value.stride(1),
+        stride_vcc=present_value.stride(2),
+        stride_ks_h=ks_h,
+        stride_ks_d=ks_d,
+        stride_vs_h=vs_h,
+        stride_vs_d=vs_d,
+        stride_pb=pos.stride(0) if pos is not None else 0,
+        stride_ps=pos.stride(1) if pos is not None else 0,
+        stride_cos=cos.stride(0) if has_rot else 0,
+        stride_sin=sin.stride(0) if has_rot else 0,
+        eps=p.qk_norm_epsilon,
+        NUM_HEADS=n,
+        KV_HEADS=kv,
+        GROUP=n // kv,
+        HEAD=h,
+        HEAD_PAD=triton.next_power_of_2(h),
+        BLOCK_H=block_h,
+        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
+        HAS_ROTARY=has_rot,
+        INTERLEAVED=p.rotary_interleaved,
+        HAS_POS=pos is not None,
+        HAS_QNORM=p.q_norm_weight is not None,
+        HAS_KNORM=p.k_norm_weight is not None,
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        K_QUANT=quant_k,
+        V_QUANT=quant_v,
+        num_warps=num_warps,
+    )
+
+
+def _common_flags(p: GQAParams, present_value, q_rot) -> dict:
+    dot = q_rot.dtype
+    return dict(
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        HAS_WINDOW=p.local_window_size > 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_BIAS=p.attention_bias is not None,
+        HAS_VSCALE=present_value.dtype == torch.int8,
+        DOT_DTYPE=_TL_DTYPES[dot],
+        DOT_PREC="ieee" if dot == torch.float32 else "tf32",
+        INTERPRET=_interpret(),
+    )
+
+
+def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
+    """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
+    b, s = q_rot.shape[:2]
+    bias = p.attention_bias
+    if cfg is None:
+        extra = 0 if bias is None else 128 * 128 * bias.element_size()
+        cfg = prefill_config(p.head_size, q_rot.dtype, _interpret(), extra)
+    cfg = dict(cfg)
+    bias_b, bias_n, bias_s, bias_t = _bias_strides(bias)
+    quant_v = present_value.dtype == torch.int8
+    vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
+    qk_scale, softcap_mult = _logit_scalars(p)
+    grid = (triton.cdiv(s, cfg["BLOCK_M"]), b * p.num_heads)
+    gqa_prefill_kernel[grid](
+        q_ptr=q_rot,
+        k_ptr=present_key,
+        v_ptr=present_value,
+        o_ptr=out,
+        seqlens_ptr=seqlens_k,
+        bias_ptr=bias if bias is not None else q_rot,
+        sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
+        vs_ptr=p.v_scale if quant_v else q_rot,
+        seq_len=s,
+        window=max(p.local_window_size, 0),
+        stride_qb=q_rot.stride(0),
+        stride_qs=q_rot.stride(1),
+        stride_qn=q_rot.stride(2),
+        stride_kb=present_key.stride(0),
+        stride_kh=present_key.stride(1),
+        stride_kc=present_key.stride(2),
+        stride_vb=present_value.stride(0),
+        stride_vh=present_value.stride(1),
+        stride_vc=present_value.stride(2),
+        stride_ob=out.stride(0),
+        stride_os=out.stride(1),
+        stride_bias_b=bias_b,
+        stride_bias_n=bias_n,
+        stride_bias_s=bias_s,
+        stride_bias_t=bias_t,
+        stride_vs_h=vs_h,
+        stride_vs_d=vs_d,
+        qk_scale=qk_scale,
+        softcap_mult=softcap_mult,
+        NUM_HEADS=p.num_heads,
+        GROUP=p.group,
+        HEAD=p.head_size,
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        **_common_flags(p, present_value, q_rot),
+        **cfg,
+    )
+
+
+def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None):
+    """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge."""
+    b, s = q_rot.shape[:2]
+    n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
+    cfg = dict(cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret()))
+    span = p.total_sequence_length
+    if p.local_window_size > 0:
+        span = min(span, p.local_window_size + s - 1)
+    span = max(span, 1)
+    dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
+    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev))
+    chunk = triton.cdiv(triton.cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    splits = triton.cdiv(span, chunk)
+    o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)
+    lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=q_rot.device)
+    bias = p.attention_bias
+    bias_b, bias_n, bias_s, bias_t = _bias_strides(bias)
+    quant_v = present_value.dtype == torch.int8
+    vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
+    qk_scale, softcap_mult = _logit_scalars(p)
+    gqa_decode_split_kernel[(kv, b, splits)](
+        q_ptr=q_rot,
+        k_ptr=present_key,
+        v_ptr=present_value,
+        seqlens_ptr=seqlens_k,
+        bias_ptr=bias if bias is not None else q_rot,
+        vs_ptr=p.v_scale if quant_v else q_rot,
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        seq_len=s,
+        window=max(p.local_window_size, 0),
+        chunk=chunk,
+        num_splits=splits,
+        stride_qb=q_rot.stride(0),
+        stride_qs=q_rot.stride(1),
+        stride_qn=q_rot.stride(2),
+        stride_kb=present_key.stride(0),
+        stride_kh=present_key.stride(1),
+        stride_kc=present_key.stride(2),
+        stride_vb=present_value.stride(0),
+        stride_vh=present_value.stride(1),
+        stride_vc=present_value.stride(2),
+        stride_bias_b=bias_b,
+        stride_bias_n=bias_n,
+        stride_bias_s=bias_s,
+        stride_bias_t=bias_t,
+        stride_vs_h=vs_h,
+        stride_vs_d=vs_d,
+        qk_scale=qk_scale,
+        softcap_mult=softcap_mult,
+        NUM_HEADS=n,
+        GROUP=p.group,
+        HEAD=h,
+        ROWS_PAD=max(16, triton.next_power_of_2(s * p.group)),
+        **_common_flags(p, present_value, q_rot),
+        **cfg,
+    )
+    gqa_merge_kernel[(b * s * n,)](
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
+        o_ptr=out,
+        seq_len=s,
+        num_splits=splits,
+        stride_ob=out.stride(0),
+        stride_os=out.stride(1),
+        NUM_HEADS=n,
+        HEAD=h,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        num_warps=4,
+    )
+
+
+def gqa_triton(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    present_key: torch.Tensor,
+    present_value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    p: GQAParams,
+    *,
+    prefill_cfg: dict | None = None,
+    decode_cfg: dict | None = None,
+    num_splits: int | None = None,
+    force_path: str | None = None,
+) -> torch.Tensor:
+    """Triton GQA tier (contract in ``gqa/_params.py``).
+
+    query: [B, S, N*H] or packed [B, S, (N + 2*KV)*H]; key/value: [B, S, KV*H] or None;
+    present_key/present_value: [B, KV, C, H] cache (activation dtype, fp16, or int8), written in
+    place at rows qpos; seqlens_k: int32 [B]. Returns output [B, S, N*H] (activation dtype).
+    ``prefill_cfg``/``decode_cfg``/``num_splits``/``force_path`` ("prefill" | "decode") are
+    tuning hooks for benchmarks and tests.
+    """
+    b, s, _ = query.shape
+    n, h = p.num_heads, p.head_size
+    if h not in SUPPORTED_HEADS:
+        raise ValueError(f"gqa_triton: head_size must be one of {SUPPORTED_HEADS}, got {h}")
+    out = _empty((b, s, n * h), dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    q_rot = _empty(
+        (b, s, n, h), dtype=dot_dtype_for(query.dtype, present_key.dtype), device=query.device
+    )
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
+    path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
+    if path == "decode":
+        run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits)
+    else:
+        run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
+    return out

@@ -1,0 +1,229 @@
+"""Triton GQA prologue: QK-norm + rotary of Q and the new K, and the K/V cache append, one pass.
+
+Grid: (B * S, cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H)). A program of the first kind normalizes and
+rotates BLOCK_H query heads of one token and writes them to the Q scratch buffer
+``[B, S, N, HEAD]`` in the dot dtype; a program of the second kind does the same for BLOCK_H key
+heads, writing them (and the matching value heads) into the caches at row ``qpos``, converted or
+quantized to the cache dtype. All math is fp32 from the input values and fp32-read cos/sin; each
+stored value is rounded exactly once.
+
+int8 K caches: the K scale is folded into Q here (``q * k_scale[kv(head), d]`` before Q's one
+rounding), so the attention kernels multiply Q by the stored integers, which the dot dtype
+represents exactly: no dequantization rounding of K at all.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_RINT_MAGIC = tl.constexpr(
+    12582912.0
+)  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 half-to-even in fp32
+
+
+@triton.jit
+def _norm_rope_heads(
+    row_ptr,  # token's first channel of head 0
+    offs_h,  # [BLOCK_H] head indices
+    num_heads,
+    w_ptr,  # norm weight [HEAD]
+    cos_ptr,
+    sin_ptr,
+    pos,  # rotary position (int64 scalar)
+    stride_cos,
+    stride_sin,
+    eps,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """``[BLOCK_H, HEAD_PAD]`` fp32: RMSNorm (optional) then rotary (optional) of the heads."""
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    mask_d = offs_d < HEAD
+    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
+    base = row_ptr + offs_h.to(tl.int64)[:, None] * HEAD
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)  # [BLOCK_H]
+        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)  # [HEAD_PAD]
+        x = x * inv_rms[:, None] * w[None, :]
+    if HAS_ROTARY:
+        # Channel j pairs with a partner; outside the rotary range cos = 1, sin = 0 pass through.
+        HALF: tl.constexpr = ROT_DIM // 2
+        in_rot = (offs_d < ROT_DIM) & mask_d
+        if INTERLEAVED:
+            first = (offs_d % 2) == 0
+            partner = tl.where(first, offs_d + 1, offs_d - 1)
+            c_idx = offs_d // 2
+        else:
+            first = offs_d < HALF
+            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+            c_idx = tl.where(first, offs_d, offs_d - HALF)
+        partner = tl.where(in_rot, partner, offs_d)  # [HEAD_PAD]
+        c_idx = tl.where(in_rot, c_idx, 0)
+        xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            wp = tl.load(w_ptr + partner, mask=mask_d, other=0.0).to(tl.float32)
+            xp = xp * inv_rms[:, None] * wp[None, :]
+        cos = tl.load(cos_ptr + pos * stride_cos + c_idx, mask=in_rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + c_idx, mask=in_rot, other=0.0).to(tl.float32)
+        sin = tl.where(first, -sin, sin)  # [HEAD_PAD]
+        x = x * cos[None, :] + xp * sin[None, :]
+    return x
+
+
+@triton.jit
+def _store_cache_rows(
+    dst,  # [BLOCK_H, HEAD_PAD] pointers
+    x,  # [BLOCK_H, HEAD_PAD] fp32
+    scale_ptr,
+    offs_h,
+    offs_d,
+    stride_sc_h,
+    stride_sc_d,
+    mask,
+    QUANT: tl.constexpr,
+):
+    """Convert (one rounding) or int8-quantize (round-to-nearest-even, clamp +-127) and store."""
+    if QUANT:
+        sc = tl.load(
+            scale_ptr + offs_h[:, None] * stride_sc_h + offs_d[None, :] * stride_sc_d,
+            mask=mask,
+            other=1.0,
+        )  # [BLOCK_H, HEAD_PAD] fp32
+        y = tl.math.div_rn(x, sc)
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        y = (y + _RINT_MAGIC) - _RINT_MAGIC
+        tl.store(dst, y.to(tl.int8), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gqa_prologue_kernel(
+    q_ptr,  # [B, S, N*HEAD] (or the Q part of packed QKV)
+    k_ptr,  # [B, S, KV*HEAD] (strided view)
+    v_ptr,
+    qn_w_ptr,
+    kn_w_ptr,
+    cos_ptr,  # [max_pos, ROT_DIM / 2], last dim contiguous
+    sin_ptr,
+    pos_ptr,  # [B, S] int64
+    seqlens_ptr,  # [B] int32
+    qout_ptr,  # [B, S, N, HEAD] dot dtype
+    kc_ptr,  # [B, KV, C, HEAD] cache
+    vc_ptr,
+    ks_ptr,  # fp32 k_scale, [1] or [KV, 1, HEAD]
+    vs_ptr,
+    seq_len,
+    max_pos,
+    cache_len,
+    stride_qb,
+    stride_qs,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    stride_qob,
+    stride_qos,
+    stride_kcb,
+    stride_kch,
+    stride_kcc,
+    stride_vcb,
+    stride_vch,
+    stride_vcc,
+    stride_ks_h,
+    stride_ks_d,
+    stride_vs_h,
+    stride_vs_d,
+    stride_pb,
+    stride_ps,
+    stride_cos,
+    stride_sin,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HAS_ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_QNORM: tl.constexpr,
+    HAS_KNORM: tl.constexpr,
+    IS_FIRST_PROMPT: tl.constexpr,
+    K_QUANT: tl.constexpr,
+    V_QUANT: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    b = (tok // seq_len).to(tl.int64)
+    s = (tok % seq_len).to(tl.int64)
+    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
+    if IS_FIRST_PROMPT:
+        qpos = s
+    else:
+        qpos = total_len - seq_len + s
+    if HAS_POS:
+        pos = tl.load(pos_ptr + b * stride_pb + s * stride_ps).to(tl.int64)
+    else:
+        pos = qpos
+    # Out-of-range positions are rejected on the host in eager mode; clamp so a bad id can never
+    # read outside the rotary cache (e.g. under CUDA-graph capture).
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    mask_d = offs_d < HEAD
+    nqb = tl.cdiv(NUM_HEADS, BLOCK_H)
+    pid_h = tl.program_id(1)
+    if pid_h < nqb:
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
+        mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
+        x = _norm_rope_heads(
+            q_ptr + b * stride_qb + s * stride_qs, offs_h, NUM_HEADS, qn_w_ptr, cos_ptr,
+            sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
+            HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+        )  # fmt: skip
+        if K_QUANT:
+            ks = tl.load(
+                ks_ptr + (offs_h // GROUP)[:, None] * stride_ks_h + offs_d[None, :] * stride_ks_d,
+                mask=mask,
+                other=0.0,
+            )  # [BLOCK_H, HEAD_PAD]
+            x = x * ks
+        dst = qout_ptr + b * stride_qob + s * stride_qos + offs_h[:, None] * HEAD + offs_d[None, :]
+        tl.store(dst, x.to(qout_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_h = (pid_h - nqb) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] kv heads
+        write = (qpos >= 0) & (qpos < cache_len)
+        if IS_FIRST_PROMPT:
+            write = write & (s < total_len)  # right padding is not written
+        mask = (offs_h < KV_HEADS)[:, None] & mask_d[None, :] & write  # [BLOCK_H, HEAD_PAD]
+        row = offs_h.to(tl.int64)[:, None]
+        k = _norm_rope_heads(
+            k_ptr + b * stride_kb + s * stride_ks, offs_h, KV_HEADS, kn_w_ptr, cos_ptr,
+            sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
+            HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+        )  # fmt: skip
+        k_dst = kc_ptr + b * stride_kcb + row * stride_kch + qpos * stride_kcc + offs_d[None, :]
+        _store_cache_rows(
+            k_dst, k, ks_ptr, offs_h, offs_d, stride_ks_h, stride_ks_d, mask, QUANT=K_QUANT
+        )
+        v_src = v_ptr + b * stride_vb + s * stride_vs + row * HEAD + offs_d[None, :]
+        v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_PAD]
+        v_dst = vc_ptr + b * stride_vcb + row * stride_vch + qpos * stride_vcc + offs_d[None, :]
+        _store_cache_rows(
+            v_dst, v, vs_ptr, offs_h, offs_d, stride_vs_h, stride_vs_d, mask, QUANT=V_QUANT
+        )
+
+
+def prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): about 2K elements per program."""
+    head_pad = triton.next_power_of_2(head)
+    block_h = max(1, min(triton.next_power_of_2(max(num_heads, kv_heads)), 2048 // head_pad))
+    return block_h, 4 if block_h * head_pad <= 2048 else 8

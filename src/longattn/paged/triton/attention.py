@@ -1,0 +1,353 @@
+"""Triton paged attention: one kernel for varlen prefill and split-K decode, plus the merge.
+
+``paged_attn_kernel`` grid: (items bound, KV). A program takes one item of the launch's schedule
+(``_schedule.schedule``: sequence ``b``, query tile, key split) for one KV head, and packs every
+query row of that tile that reads the KV head into one ``[ROWS, HEAD]`` tile: row ``r`` is new
+token ``qblock * TOK_M + r // GROUP`` of the sequence, query head ``kvh * GROUP + r % GROUP``.
+Each K/V byte a tile needs is read once per KV group. The decode launch uses ROWS = 16 (a single
+tile per decode sequence, key range split over many programs); the prefill launch uses the GQA
+prefill tile height (128 rows).
+
+K/V tiles are read straight from the paged caches: key position ``j`` lives in block
+``block_table[b, j // BLOCK_SIZE]`` at row ``j % BLOCK_SIZE`` (BLOCK_SIZE a power of two). The
+block entries of the next tile are loaded one iteration ahead (a software prefetch of the
+indirection), and clamped into ``[0, num_blocks)`` so a bad table can never read out of bounds.
+The key range of a tile is computed from its first/last query position (causal bottom-right, the
+window) and splits into a masked lead-in, an unmasked middle and a masked tail, as in the GQA
+prefill kernel.
+
+An item of an unsplit sequence finishes its rows (sink, ``1 / l``, ``v_scale``, one rounding)
+directly into the output; an item of a split sequence writes fp32 partials (normalized ``o`` and
+its log2-domain ``lse``) that ``paged_merge_kernel`` (grid: (split tiles bound, KV)) combines.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...gqa.triton._core import (
+    add_sink,
+    causal_window_mask,
+    normalize,
+    online_softmax_step,
+    scores,
+)
+from ._schedule import pick, schedule
+
+
+@triton.jit
+def tile_blocks(table_row, offs_n, max_blocks, num_blocks, BLOCK_SIZE: tl.constexpr):
+    """``[BLOCK_N]`` int64 physical blocks of key positions ``offs_n`` (clamped, never OOB)."""
+    col = offs_n // BLOCK_SIZE
+    blk = tl.load(table_row + col, mask=(col < max_blocks) & (offs_n >= 0), other=0)
+    return tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+
+
+@triton.jit
+def load_paged_tile(
+    cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, HEAD]
+    blk,  # [BLOCK_N] int64 physical blocks
+    offs_n,  # [BLOCK_N] key positions
+    offs_d,  # [HEAD]
+    head_off,  # kvh * HEAD
+    end,  # keys >= end are not read
+    stride_slot,  # KV * HEAD
+    BLOCK_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``[BLOCK_N, HEAD]`` paged K or V tile converted to the dot dtype (int8 -> exact ints)."""
+    row = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N] slots
+    ptrs = cache_ptr + (row * stride_slot + head_off)[:, None] + offs_d[None, :]
+    if MASKED:
+        t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
+    else:
+        t = tl.load(ptrs)
+    return t.to(DOT_DTYPE)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off, stride_slot, window,
+    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Fold the KV tile [start_n, start_n + BLOCK_N) (blocks ``blk``) into the softmax state."""
+    offs_d = tl.arange(0, HEAD)  # [HEAD]
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k = load_paged_tile(kc_ptr, blk, offs_n, offs_d, head_off, end, stride_slot, BLOCK_SIZE,
+                        DOT_DTYPE, MASKED)  # fmt: skip
+    s = scores(q, k, qk_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)  # [ROWS, BLOCK_N]
+    if MASKED:
+        mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
+        s = tl.where(mask, s, float("-inf"))
+    v = load_paged_tile(vc_ptr, blk, offs_n, offs_d, head_off, end, stride_slot, BLOCK_SIZE,
+                        DOT_DTYPE, MASKED)  # fmt: skip
+    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, lo, hi, end, head_off, stride_slot,
+    max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched. The
+    interpreter (numpy 2) cannot take tensor bounds in ``range``: it runs a while loop."""
+    offs = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    blk = tile_blocks(table_row, lo + offs, max_blocks, num_blocks, BLOCK_SIZE)
+    if INTERPRET:
+        start_n = lo
+        while start_n < hi:
+            nxt = tile_blocks(table_row, start_n + BLOCK_N + offs, max_blocks, num_blocks,
+                              BLOCK_SIZE)  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
+                stride_slot, window, qk_scale, softcap_mult, HEAD, BLOCK_N, BLOCK_SIZE, MASKED,
+                HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+            )  # fmt: skip
+            blk = nxt
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            nxt = tile_blocks(table_row, start_n + BLOCK_N + offs, max_blocks, num_blocks,
+                              BLOCK_SIZE)  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
+                stride_slot, window, qk_scale, softcap_mult, HEAD, BLOCK_N, BLOCK_SIZE, MASKED,
+                HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+            )  # fmt: skip
+            blk = nxt
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
+                 HEAD: tl.constexpr, HAS_SINK: tl.constexpr, SINK_FROM_PTR: tl.constexpr,
+                 HAS_VSCALE: tl.constexpr):  # fmt: skip
+    """Sink (once), ``1 / l`` (rows that saw nothing -> zeros), ``v_scale``: ``[ROWS, HEAD]``."""
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = tl.load(sink_ptr + n_idx).to(tl.float32) * 1.4426950408889634  # [ROWS]
+        else:
+            sink2 = tl.zeros_like(m_i)
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
+    o = normalize(acc, l_i)
+    if HAS_VSCALE:
+        offs_d = tl.arange(0, HEAD)
+        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
+        o = o * vs[None, :]
+    return o
+
+
+@triton.jit
+def paged_attn_kernel(
+    q_ptr,  # [tokens, N, HEAD] rotated Q, dot dtype
+    kc_ptr,  # [num_blocks, BLOCK_SIZE, KV, HEAD] caches
+    vc_ptr,
+    o_ptr,  # [tokens, N * HEAD] activation dtype
+    o_part_ptr,  # [extra, KV, ROWS, HEAD] fp32
+    lse_part_ptr,  # [extra, KV, ROWS] fp32
+    cu_ptr,  # [B + 1] int32
+    past_ptr,  # [B] int32
+    table_ptr,  # [B, max_blocks] int32
+    sink_ptr,  # [N]
+    vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
+    batch,
+    max_blocks,
+    num_blocks,
+    window,
+    extra,
+    min_chunk,
+    stride_table,
+    stride_vs_h,
+    stride_vs_d,
+    qk_scale,
+    softcap_mult,
+    NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    TOK_M: tl.constexpr,
+    DEC_TOK: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    B_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SINK_FROM_PTR: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_b = tl.arange(0, B_PAD)  # [B_PAD]
+    cu0_v, new_v, past_v, qblocks_v, splits_v, item_end_v, pslot_end_v, _ = schedule(
+        cu_ptr, past_ptr, batch, window, extra, min_chunk, B_PAD=B_PAD, TOK_M=TOK_M,
+        DEC_TOK=DEC_TOK, IS_DECODE=IS_DECODE, HAS_WINDOW=HAS_WINDOW,
+    )  # fmt: skip
+    b = tl.sum((item_end_v <= pid).to(tl.int32), 0)  # items past the last one: b >= batch
+    if b < batch:
+        splits = pick(splits_v, offs_b, b)
+        items_b = pick(qblocks_v, offs_b, b) * splits
+        local = pid - (pick(item_end_v, offs_b, b) - items_b)
+        qblock = local // splits
+        split = local % splits
+        cu0 = pick(cu0_v, offs_b, b)
+        s_len = pick(new_v, offs_b, b)
+        past = pick(past_v, offs_b, b)
+        total = past + s_len
+
+        offs_r = tl.arange(0, ROWS)  # [ROWS]
+        offs_d = tl.arange(0, HEAD)  # [HEAD]
+        t_lo = qblock * TOK_M  # first new-token index of the tile
+        s_idx = t_lo + offs_r // GROUP  # [ROWS] new-token index of each row
+        n_idx = kvh * GROUP + offs_r % GROUP  # [ROWS] query head of each row
+        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len)
+        qpos = tl.where(row_ok, past + s_idx, -1)  # rows that must see nothing get qpos -1
+        tok = (cu0 + s_idx).to(tl.int64)  # [ROWS] query row in the varlen batch
+        q_ptrs = q_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [ROWS, HEAD]
+
+        # Key range of the tile, then of this split.
+        q_lo = past + t_lo
+        q_hi = past + tl.minimum(t_lo + TOK_M, s_len) - 1
+        kv_hi = tl.minimum(q_hi + 1, total)
+        kv_lo = 0
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(q_lo - window + 1, 0)
+        kv_lo = tl.minimum(kv_lo, kv_hi)
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, splits), BLOCK_N) * BLOCK_N
+        start = kv_lo + split * chunk
+        end = tl.minimum(start + chunk, kv_hi)
+        start = tl.minimum(start, end)
+        # Unmasked middle: tiles every row of the tile sees whole (same grid as start).
+        full_lo = kv_lo
+        if HAS_WINDOW:
+            lead = tl.maximum(q_hi - window + 1 - kv_lo, 0)
+            full_lo = tl.minimum(kv_lo + tl.cdiv(lead, BLOCK_N) * BLOCK_N, kv_hi)
+        full_end = tl.minimum(q_lo + 1, total)
+        full_hi = full_lo + tl.maximum(full_end - full_lo, 0) // BLOCK_N * BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
+        mid_hi = tl.maximum(tl.minimum(full_hi, end), mid_lo)
+
+        table_row = table_ptr + b.to(tl.int64) * stride_table
+        head_off = kvh.to(tl.int64) * HEAD
+        stride_slot = KV_HEADS * HEAD
+        acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)  # [ROWS, HEAD]
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, start, mid_lo, end, head_off,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
+            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_lo, mid_hi, end, head_off,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=False, HAS_WINDOW=HAS_WINDOW,
+            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_hi, end, end, head_off,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
+            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
+            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+        )  # fmt: skip
+
+        if splits == 1:
+            o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h,
+                             stride_vs_d, HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
+            o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
+            tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            pslot = pick(pslot_end_v, offs_b, b) - items_b + local  # partial slot of the item
+            part = (pslot.to(tl.int64) * KV_HEADS + kvh) * ROWS + offs_r  # [ROWS]
+            o = normalize(acc, l_i)
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_part_ptr + part, lse, mask=row_ok)
+            tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def paged_merge_kernel(
+    o_part_ptr,  # [extra, KV, ROWS, HEAD] fp32
+    lse_part_ptr,  # [extra, KV, ROWS] fp32
+    o_ptr,  # [tokens, N * HEAD] activation dtype
+    cu_ptr,
+    past_ptr,
+    sink_ptr,
+    vs_ptr,
+    batch,
+    window,
+    extra,
+    min_chunk,
+    stride_vs_h,
+    stride_vs_d,
+    NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    TOK_M: tl.constexpr,
+    DEC_TOK: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+    B_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SINK_FROM_PTR: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+):
+    """Log-sum-exp merge of one split query tile's partials (the sink enters once)."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_b = tl.arange(0, B_PAD)
+    cu0_v, new_v, _, qblocks_v, splits_v, _, pslot_end_v, mq_end_v = schedule(
+        cu_ptr, past_ptr, batch, window, extra, min_chunk, B_PAD=B_PAD, TOK_M=TOK_M,
+        DEC_TOK=DEC_TOK, IS_DECODE=IS_DECODE, HAS_WINDOW=HAS_WINDOW,
+    )  # fmt: skip
+    b = tl.sum((mq_end_v <= pid).to(tl.int32), 0)
+    if b < batch:
+        qblocks = pick(qblocks_v, offs_b, b)
+        splits = pick(splits_v, offs_b, b)
+        qblock = pid - (pick(mq_end_v, offs_b, b) - qblocks)
+        base = pick(pslot_end_v, offs_b, b) - qblocks * splits + qblock * splits
+        cu0 = pick(cu0_v, offs_b, b)
+        s_len = pick(new_v, offs_b, b)
+        offs_r = tl.arange(0, ROWS)  # [ROWS]
+        offs_d = tl.arange(0, HEAD)  # [HEAD]
+        s_idx = qblock * TOK_M + offs_r // GROUP
+        n_idx = kvh * GROUP + offs_r % GROUP
+        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len)
+        acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        sp = 0
+        while sp < splits:  # a while loop: a runtime bound both compiled and interpreted
+            part = ((base + sp).to(tl.int64) * KV_HEADS + kvh) * ROWS + offs_r  # [ROWS]
+            lse = tl.load(lse_part_ptr + part, mask=row_ok, other=float("-inf"))
+            o = tl.load(o_part_ptr + part[:, None] * HEAD + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # fmt: skip
+            m_new = tl.maximum(m_i, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
+            sp += 1
+        o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
+                         HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
+        tok = (cu0 + s_idx).to(tl.int64)
+        o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

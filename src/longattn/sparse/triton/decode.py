@@ -1,0 +1,550 @@
+"""Triton DynamicSparseAttention: grouped split-candidate kernel + log-sum-exp merge.
+
+``dsa_split_kernel`` grid: (splits, KV, B*S). One program owns one query row ``r = b*S + s``,
+one KV head and one slice (split) of the row's candidate list, and packs the ``GROUP`` query
+heads of that KV head into one ``[G_PAD >= 16, HEAD_PAD]`` tile, so every gathered K/V row is
+read once per group. Candidates, in the spec's order:
+
+- window splits ``0 .. win_splits-1`` (local mode): main-cache rows ``lo + c``,
+  ``lo = qpos - W + 1``, valid iff ``row real``, ``>= 0`` and ``< C``;
+- selected splits ``win_splits ..``: entries ``j < min(selected_counts[r], M)`` of
+  ``selected_indices[r]``; main entries valid iff ``0 <= idx <= qpos``, ``idx < C`` and (local
+  mode) ``idx < lo`` (no double count); auxiliary entries valid iff ``0 <= idx < A``.
+
+Each split is single-source, so an int8 main V's scale is applied to that split's normalized
+output (exact algebra: ``sum_j p_j q_jd * s_d``). Invalid candidates are never loaded (masked
+loads: NaN in unused cache rows cannot leak). Logits are in the log2 domain (the host folds
+``log2(e)`` into the scale), softmax in fp32 with ``exp2``. Partials: ``o_part [R, N, splits,
+HEAD]`` fp32 (normalized over the split) and ``lse_part [R, N, splits]`` (log2; -inf if empty).
+
+``dsa_merge_kernel`` grid: (R * N,). Merges the splits by log-sum-exp; the sink (``head_sink`` or
+the ``smooth_softmax`` zero logit) enters the denominator exactly once; one rounding to the output
+dtype. A row with nothing valid gives zeros (with or without a sink).
+
+Dot operands (see ``plan_dot_dtypes``): Q in the "Q dtype" (rounded once; an int8 K cache has
+its scale folded into Q before that rounding, so K's stored integers enter the dot exactly); a
+K tile enters the dot in Q's dtype when it has that dtype (or is int8), otherwise both are
+upcast to fp32 (exact ``ieee`` dot). P is rounded to the V tile's 16-bit dtype for the P.V dot
+(fp32 V: exact fp32 dot; int8 V: the Q dtype, whose integers are exact).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
+from .._params import DSAParams
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 128  # bound on splits per (row, KV head) (the merge loops over them)
+
+_empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    if _interpret() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels.
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j_start,
+    j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW: tl.constexpr,
+    SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
+
+    Window segment: candidate c is main row ``lo + c``. Selected segment: candidate j is
+    ``idx_ptr[j * stride_idx]``; ``limit`` is C (main) or A (auxiliary).
+    """
+    if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
+        j0 = j_start
+        while j0 < j_end:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
+                j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW,
+                SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N,
+            )  # fmt: skip
+            j0 += BLOCK_N
+    else:
+        for j0 in range(j_start, j_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
+                j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW,
+                SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_end,
+    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW: tl.constexpr,
+    SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    offs_j = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate slots
+    in_range = offs_j < j_end
+    if IS_WINDOW:
+        pos = lo + offs_j.to(tl.int64)  # [BLOCK_N] main rows
+        ok = in_range & (pos >= 0) & (pos < limit) & row_real
+    else:
+        pos = tl.load(idx_ptr + offs_j.to(tl.int64) * stride_idx, mask=in_range, other=-1)
+        pos = pos.to(tl.int64)  # [BLOCK_N]
+        ok = in_range & (pos >= 0) & (pos < limit) & row_real
+        if SEL_MAIN:
+            ok = ok & (pos <= qpos)
+            if DEDUP:
+                ok = ok & (pos < lo)  # inside the window: already a candidate
+    # in-head offsets fit int32 (the host checks C * stride < 2**31); the base is int64
+    pos = tl.where(ok, pos, 0).to(tl.int32)
+    ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
+    k = tl.load(k_base + (pos[:, None] * stride_kc + offs_d[None, :]), mask=ld_mask, other=0)
+    qk = tl.dot(q.to(QK_DTYPE), tl.trans(k.to(QK_DTYPE)), input_precision=QK_PREC)
+    s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N] log2 domain
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [G_PAD]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # m_i = -inf -> 0
+    p = tl.exp2(s - m_safe[:, None])  # [G_PAD, BLOCK_N], 0 where masked
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
+    pv = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def dsa_split_kernel(
+    q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype), contiguous
+    kc_ptr,  # [B, KV, C, HEAD] main cache (float or int8)
+    vc_ptr,
+    ka_ptr,  # [B, KV, A, HEAD] auxiliary K (float; dummy without SEL_AUX)
+    va_ptr,  # auxiliary V (auxiliary K when shared)
+    sel_ptr,  # [B*S, M] int32/int64
+    cnt_ptr,  # [B*S] int32/int64
+    seqlens_ptr,  # [B] int32, total_len - 1
+    vs_ptr,  # v_scale fp32 [1] or [KV, 1, HEAD] (HAS_VSCALE)
+    o_part_ptr,  # [B*S, N, num_splits, HEAD] fp32
+    lse_part_ptr,  # [B*S, N, num_splits] fp32
+    seq_len,
+    cap,  # C
+    aux_len,  # A
+    max_sel,  # M
+    window,  # W (HAS_WINDOW)
+    chunk,  # candidates per split (multiple of BLOCK_N)
+    win_splits,  # splits of the window segment (0 without HAS_WINDOW)
+    num_splits,
+    stride_sel_r,
+    stride_sel_j,
+    stride_cnt,
+    stride_kcb,
+    stride_kch,
+    stride_kcc,
+    stride_vcb,
+    stride_vch,
+    stride_vcc,
+    stride_kab,
+    stride_kah,
+    stride_kac,
+    stride_vab,
+    stride_vah,
+    stride_vac,
+    stride_vs_h,
+    stride_vs_d,
+    qk_scale,  # scale * log2(e)
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FIRST_PROMPT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SEL_AUX: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+    MAIN_QK_DTYPE: tl.constexpr,
+    MAIN_QK_PREC: tl.constexpr,
+    MAIN_PV_DTYPE: tl.constexpr,
+    MAIN_PV_PREC: tl.constexpr,
+    SEL_QK_DTYPE: tl.constexpr,
+    SEL_QK_PREC: tl.constexpr,
+    SEL_PV_DTYPE: tl.constexpr,
+    SEL_PV_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(2).to(tl.int64)
+    b = row // seq_len
+    s = row % seq_len
+    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
+    if IS_FIRST_PROMPT:
+        qpos = s
+    else:
+        qpos = total_len - seq_len + s
+    row_real = (qpos >= 0) & (qpos < total_len)  # padding rows of a first prompt see nothing
+    lo = qpos - window + 1
+
+    offs_g = tl.arange(0, G_PAD)  # [G_PAD] query head within the group
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    mask_g = offs_g < GROUP
+    if HEAD == HEAD_PAD:
+        mask_d = tl.full([HEAD_PAD], 1, dtype=tl.int1)  # constant: row masks only, vectorized
+    else:
+        mask_d = offs_d < HEAD
+    heads = kvh * GROUP + offs_g  # [G_PAD] query heads
+    q_ptrs = q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [G_PAD, HEAD_PAD]
+
+    acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    kc_base = kc_ptr + b * stride_kcb + kvh * stride_kch
+    vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
+    from_main = split >= 0  # this split reads the main cache (scalar bool)
+    if HAS_WINDOW:
+        w0 = split * chunk
+        w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0, w1, lo,
+            qpos, row_real, cap, offs_d, mask_d, qk_scale, True, True, False, MAIN_QK_DTYPE,
+            MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N, INTERPRET,
+        )  # fmt: skip
+    cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
+    j0 = (split - win_splits).to(tl.int64) * chunk
+    j1 = tl.minimum(tl.minimum(j0 + chunk, max_sel), cnt)
+    j0 = tl.where(split < win_splits, j1, j0)  # window splits: empty selected range
+    idx_row = sel_ptr + row * stride_sel_r
+    if SEL_AUX:
+        from_main = split < win_splits
+        ka_base = ka_ptr + b * stride_kab + kvh * stride_kah
+        va_base = va_ptr + b * stride_vab + kvh * stride_vah
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, ka_base, va_base, idx_row, stride_sel_j, stride_kac, stride_vac,
+            j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, False, False, False,
+            SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC, BLOCK_N, INTERPRET,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc, stride_vcc,
+            j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, False, True, HAS_WINDOW,
+            MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N, INTERPRET,
+        )  # fmt: skip
+
+    inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [G_PAD]
+    o = acc * inv[:, None]  # [G_PAD, HEAD_PAD], zeros for an empty split
+    if HAS_VSCALE:  # int8 main V: its scale multiplies the split's output (per channel)
+        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d, mask=mask_d, other=1.0)
+        o = o * tl.where(from_main, vs, 1.0)[None, :]
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    part = (row * NUM_HEADS + heads) * num_splits + split  # [G_PAD]
+    tl.store(lse_part_ptr + part, lse, mask=mask_g)
+    o_ptrs = o_part_ptr + part[:, None] * HEAD + offs_d[None, :]
+    tl.store(o_ptrs, o, mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def dsa_merge_kernel(
+    o_part_ptr,  # [B*S, N, NUM_SPLITS, HEAD] fp32
+    lse_part_ptr,  # [B*S, N, NUM_SPLITS] fp32 (log2 domain)
+    sink_ptr,  # [N] (SINK_FROM_PTR)
+    o_ptr,  # [B*S, N, HEAD] output dtype, contiguous
+    NUM_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    SINK_FROM_PTR: tl.constexpr,
+):
+    rn = tl.program_id(0).to(tl.int64)  # row * N + n
+    offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    mask_d = offs_d < HEAD
+    lse = tl.load(
+        lse_part_ptr + rn * NUM_SPLITS + offs_p, mask=offs_p < NUM_SPLITS, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = tl.load(sink_ptr + rn % NUM_HEADS).to(tl.float32) * 1.4426950408889634
+        else:
+            sink2 = 0.0
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.sum(tl.exp2(lse - m_safe), 0)
+    if HAS_SINK:
+        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
+    out = tl.zeros([HEAD_PAD], dtype=tl.float32)
+    for sp in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_part_ptr + rn * NUM_SPLITS + sp) - m_safe)  # 0 for empty
+        o = tl.load(o_part_ptr + (rn * NUM_SPLITS + sp) * HEAD + offs_d, mask=mask_d, other=0.0)
+        out += w * o
+    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+
+def q_dtype_for(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the prepared Q is rounded to once (and the main-cache dot dtype).
+
+    ``p.query_dtype`` when given; else fp16 for bf16 activations with an fp16 cache (ORT's FP16
+    query path: both operands carry 11 significant bits); else the activation dtype (an int8
+    cache's integers are exact in it).
+    """
+    if p.query_dtype is not None:
+        return p.query_dtype
+    if act_dtype == torch.bfloat16 and cache_dtype == torch.float16:
+        return torch.float16
+    return act_dtype
+
+
+def _qk_operands(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple:
+    """(dot dtype, precision) of Q.K^T: Q's 16-bit dtype when K has it (or is int8), else fp32."""
+    if q_dtype != torch.float32 and k_dtype in (q_dtype, torch.int8):
+        return _TL[q_dtype], "tf32"  # precision is unused for 16-bit operands
+    return tl.float32, "ieee"
+
+
+def _pv_operands(q_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple:
+    """(dot dtype, precision) of P.V: V's 16-bit dtype (P rounded to it); int8 V: Q's dtype if
+    16-bit; fp32 V (or fp32 Q with int8 V): exact fp32."""
+    if v_dtype in (torch.float16, torch.bfloat16):
+        return _TL[v_dtype], "tf32"
+    if v_dtype == torch.int8 and q_dtype != torch.float32:
+        return _TL[q_dtype], "tf32"
+    return tl.float32, "ieee"
+
+
+def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size and dtypes.
+
+    Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
+    """
+    if interpret:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if q_dtype == torch.float32:
+        return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
+    block_n = 64 if head <= 128 else 32
+    if cache_dtype == torch.int8:
+        block_n *= 2
+    return dict(BLOCK_N=block_n, num_warps=4, num_stages=3)
+
+
+def plan_splits(
+    rows: int, kv: int, window: int, max_sel: int, block_n: int, num_sms: int, num_splits=None
+) -> tuple[int, int, int]:
+    """``(chunk, win_splits, sel_splits)`` from host-known sizes only (no sync).
+
+    ``rows * kv * (win_splits + sel_splits)`` programs should fill the SMs about twice;
+    each split at least one tile of ``block_n`` candidates; at most ``MAX_SPLITS`` in all.
+    ``num_splits`` (tuning hook) asks for about that many splits in all.
+    """
+    cand = max(window, 0) + max_sel
+    want = num_splits or triton.cdiv(2 * num_sms, max(rows * kv, 1))
+    want = max(1, min(want, MAX_SPLITS - 1))
+    chunk = max(block_n, triton.cdiv(triton.cdiv(max(cand, 1), want), block_n) * block_n)
+    win = triton.cdiv(window, chunk) if window > 0 else 0
+    sel = max(1, triton.cdiv(max_sel, chunk))
+    return chunk, win, sel
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(stride over KV heads, stride over channels) of a [1] or [KV, 1, H] scale."""
+    if scale is None or scale.dim() == 1:
+        return 0, 0
+    return scale.stride(0), scale.stride(2)
+
+
+def triton_prologue_fits(p: DSAParams) -> bool:
+    """The GQA Triton prologue handles everything but a rotary offset."""
+    return not (p.do_rotary and p.rotary_offset != 0)
+
+
+def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton):
+    """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
+    rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
+
+    ``use_triton``: the GQA tier's one-pass Triton prologue (``gqa.triton.launch.run_prologue``,
+    whose contract DSAParams satisfies); else the shared torch prologue (fp32 math).
+    """
+    if use_triton:
+        from ...gqa.triton.launch import run_prologue as gqa_prologue
+
+        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
+        return
+    from ..._attention_torch import contiguous_positions
+
+    b, s = query.shape[:2]
+    q, k, v = split_qkv(query, key, value, p.num_heads, p.kv_num_heads, p.head_size)
+    qpos, total_len = contiguous_positions(seqlens_k, s, p.is_first_prompt)
+    qf = prepare_new_tokens(
+        q, k, v, present_key, present_value, qpos, total_len, dtype=torch.float32,
+        cos_cache=p.cos_cache if p.do_rotary else None,
+        sin_cache=p.sin_cache if p.do_rotary else None, position_ids=p.position_ids,
+        interleaved=p.rotary_interleaved, rotary_offset=p.rotary_offset,
+        q_norm_weight=p.q_norm_weight, k_norm_weight=p.k_norm_weight, epsilon=p.qk_norm_epsilon,
+        k_scale=p.k_scale, v_scale=p.v_scale,
+    )  # fmt: skip
+    if present_key.dtype == torch.int8:  # fold the K scale into Q before its one rounding
+        g = p.group
+        ks = scale_view(p.k_scale, kv_axis=-2).to(torch.float32)  # [] or [KV, H]
+        if ks.dim() == 2:
+            ks = ks.repeat_interleave(g, 0)  # [N, H]
+        qf = qf * ks
+    q_rot.copy_(qf)
+
+
+def dsa_triton(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    present_key: torch.Tensor,
+    present_value: torch.Tensor,
+    auxiliary_key: torch.Tensor | None,
+    auxiliary_value: torch.Tensor | None,
+    selected_indices: torch.Tensor,
+    selected_counts: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    p: DSAParams,
+    *,
+    cfg: dict | None = None,
+    num_splits: int | None = None,
+    prologue: str | None = None,
+) -> torch.Tensor:
+    """Triton DynamicSparseAttention tier (contract in ``sparse/_params.py``); any S.
+
+    query ``[B, S, N*H]`` (or packed), key/value ``[B, S, KV*H]`` or None; present_key/value
+    ``[B, KV, C, H]`` (float or int8 + scales) written in place at rows qpos; auxiliary K/V
+    ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
+    selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
+    dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
+    num_stages), ``num_splits`` and ``prologue`` ("triton" | "torch") are tuning/test hooks.
+    """
+    b, s = query.shape[:2]
+    n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
+    rows = b * s
+    dev = query.device
+    out = _empty((b, s, n * h), dtype=query.dtype, device=dev)
+    if out.numel() == 0:
+        return out
+    q_dtype = q_dtype_for(p, query.dtype, present_key.dtype)
+    q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
+    use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton)
+
+    cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
+    m_sel = selected_indices.shape[1]
+    window = p.local_window_size if p.local else 0
+    dev_index = dev.index if dev.type == "cuda" else 0
+    chunk, win_splits, sel_splits = plan_splits(
+        rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits
+    )
+    splits = win_splits + sel_splits
+    o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
+    lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
+
+    sel_aux = p.selected_kv_source == "auxiliary"
+    aux_k = auxiliary_key if sel_aux else present_key
+    aux_v = (auxiliary_key if p.auxiliary_kv_shared else auxiliary_value) if sel_aux else aux_k
+    quant_v = present_value.dtype == torch.int8
+    vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
+    main_qk = _qk_operands(q_dtype, present_key.dtype)
+    main_pv = _pv_operands(q_dtype, present_value.dtype)
+    sel_qk = _qk_operands(q_dtype, aux_k.dtype) if sel_aux else main_qk
+    sel_pv = _pv_operands(q_dtype, aux_v.dtype) if sel_aux else main_pv
+    dsa_split_kernel[(splits, kv, rows)](
+        q_ptr=q_rot,
+        kc_ptr=present_key,
+        vc_ptr=present_value,
+        ka_ptr=aux_k,
+        va_ptr=aux_v,
+        sel_ptr=selected_indices,
+        cnt_ptr=selected_counts,
+        seqlens_ptr=seqlens_k,
+        vs_ptr=p.v_scale if quant_v else q_rot,
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        seq_len=s,
+        cap=present_key.shape[2],
+        aux_len=aux_k.shape[2],
+        max_sel=m_sel,
+        window=window,
+        chunk=chunk,
+        win_splits=win_splits,
+        num_splits=splits,
+        stride_sel_r=selected_indices.stride(0),
+        stride_sel_j=selected_indices.stride(1),
+        stride_cnt=selected_counts.stride(0),
+        stride_kcb=present_key.stride(0),
+        stride_kch=present_key.stride(1),
+        stride_kcc=present_key.stride(2),
+        stride_vcb=present_value.stride(0),
+        stride_vch=present_value.stride(1),
+        stride_vcc=present_value.stride(2),
+        stride_kab=aux_k.stride(0),
+        stride_kah=aux_k.stride(1),
+        stride_kac=aux_k.stride(2),
+        stride_vab=aux_v.stride(0),
+        stride_vah=aux_v.stride(1),
+        stride_vac=aux_v.stride(2),
+        stride_vs_h=vs_h,
+        stride_vs_d=vs_d,
+        qk_scale=p.scale * LOG2E,
+        NUM_HEADS=n,
+        GROUP=g,
+        HEAD=h,
+        HEAD_PAD=max(16, triton.next_power_of_2(h)),
+        G_PAD=max(16, triton.next_power_of_2(g)),
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        HAS_WINDOW=window > 0,
+        SEL_AUX=sel_aux,
+        HAS_VSCALE=quant_v,
+        MAIN_QK_DTYPE=main_qk[0],
+        MAIN_QK_PREC=main_qk[1],
+        MAIN_PV_DTYPE=main_pv[0],
+        MAIN_PV_PREC=main_pv[1],
+        SEL_QK_DTYPE=sel_qk[0],
+        SEL_QK_PREC=sel_qk[1],
+        SEL_PV_DTYPE=sel_pv[0],
+        SEL_PV_PREC=sel_pv[1],
+        INTERPRET=_interpret(),
+        **cfg,
+    )
+    dsa_merge_kernel[(rows * n,)](
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        sink_ptr=p.head_sink if p.head_sink is not None else lse_part,
+        o_ptr=out,
+        NUM_HEADS=n,
+        HEAD=h,
+        HEAD_PAD=max(16, triton.next_power_of_2(h)),
+        NUM_SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        num_warps=4 if h >= 128 else 2,
+    )
+    return out

@@ -1,0 +1,195 @@
+"""Triton SparseAttentionIndexer: block scores in one kernel, then top-k and emission in torch.
+
+``indexer_score_kernel`` grid: (cdiv(NB, BLOCK_B), cdiv(S, BLOCK_S), B). A program loads one
+``[BLOCK_B, DI]`` tile of block keys (fp32) once and scores it against the indexer query rows
+``(s, h)`` of ``BLOCK_S`` new tokens of its sequence, ``BLOCK_R`` rows per ``tl.dot``:
+
+    D[(s, h), c] = q[s, h] . k[c]                  (exact fp32 dot, ``ieee``)
+    score[s, c] = scale * sum_h relu(D[(s, h), c])  (the head sum as a 0/1 matrix dot, fp32)
+
+Blocks that are not complete and visible to the row (``c >= (qpos + 1) // r``; padding rows:
+all) get ``-inf``. The kernel writes one **sort key** per (row, block), int64:
+``ordered_bits(score) << 32 | (NB - 1 - c)``, where ``ordered_bits`` maps fp32 to int32
+monotonically (``-0.0`` is first turned into ``+0.0``). Keys are distinct, and a larger key is a
+higher score or, at equal scores, a lower block index: ``torch.topk`` over the keys
+(``[B*S, NB]``, O(rows x T/r), small) therefore reproduces the reference's stable descending
+sort exactly (ties: lower block index wins). The chosen blocks are then re-sorted ascending and
+expanded to token positions by the shared ``emit_selection`` (sync-free torch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._shared import emit_selection, indexer_rows
+
+_empty = torch.empty  # buffers of this tier (tests poison them)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def indexer_score_kernel(
+    q_ptr,  # [B, S, NI * DI] float, last dim contiguous
+    k_ptr,  # [B, NB, DI] float block keys, last dim contiguous
+    seqlens_ptr,  # [B] int32, total_len - 1
+    key_ptr,  # [B*S, NB] int64 sort keys (out)
+    seq_len,
+    num_blocks,
+    stride_qb,
+    stride_qs,
+    stride_kb,
+    stride_kn,
+    scale,
+    compress_ratio,
+    NI: tl.constexpr,
+    DI: tl.constexpr,
+    DI_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # query rows per program (>= 16: the head-sum dot's M)
+    S_TILE: tl.constexpr,  # min(BLOCK_S, S): rows actually scanned per program
+    BLOCK_R: tl.constexpr,  # (row, head) pairs per dot
+    IS_FIRST_PROMPT: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    s0 = tl.program_id(1) * BLOCK_S
+    b = tl.program_id(2).to(tl.int64)
+    offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
+    offs_d = tl.arange(0, DI_PAD)  # [DI_PAD]
+    mask_d = offs_d < DI
+    mask_c = offs_c < num_blocks
+    k_ptrs = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+    kt = tl.load(k_ptrs, mask=mask_c[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    # kt: [BLOCK_B, DI_PAD], read once for all rows of this program
+
+    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] local query rows
+    acc = tl.zeros([BLOCK_S, BLOCK_B], dtype=tl.float32)
+    for r0 in range(0, S_TILE * NI, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BLOCK_R] (row, head) pairs, r = s_local*NI + h
+        s_loc = offs_r // NI
+        hh = offs_r % NI
+        r_ok = (offs_r < S_TILE * NI) & (s0 + s_loc < seq_len)
+        q_ptrs = (
+            q_ptr
+            + b * stride_qb
+            + (s0 + s_loc).to(tl.int64)[:, None] * stride_qs
+            + (hh * DI)[:, None]
+            + offs_d[None, :]
+        )
+        q = tl.load(q_ptrs, mask=r_ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        dots = tl.dot(q, tl.trans(kt), input_precision="ieee")  # [BLOCK_R, BLOCK_B]
+        dots = tl.maximum(dots, 0.0)
+        sel = (s_loc[None, :] == offs_s[:, None]) & r_ok[None, :]  # [BLOCK_S, BLOCK_R]
+        acc += tl.dot(sel.to(tl.float32), dots, input_precision="ieee")
+
+    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
+    srow = s0 + offs_s  # [BLOCK_S] new-token index
+    if IS_FIRST_PROMPT:
+        qpos = srow.to(tl.int64)
+    else:
+        qpos = total_len - seq_len + srow
+    real = (qpos >= 0) & (qpos < total_len)
+    n_complete = tl.where(real, (qpos + 1) // compress_ratio, 0)  # [BLOCK_S]
+    visible = offs_c[None, :].to(tl.int64) < n_complete[:, None]  # [BLOCK_S, BLOCK_B]
+    score = acc * scale + 0.0  # + 0.0 turns -0.0 into +0.0 (equal scores, equal keys)
+    score = tl.where(visible, score, float("-inf"))
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the fp32 value
+    tie = (num_blocks - 1 - offs_c).to(tl.int64)  # lower block -> larger key
+    key = (ordered.to(tl.int64) << 32) | tie[None, :]
+    out_rows = (b * seq_len + srow).to(tl.int64)
+    dst = key_ptr + out_rows[:, None] * num_blocks + offs_c[None, :]
+    tl.store(dst, key, mask=(srow < seq_len)[:, None] & mask_c[None, :])
+
+
+def score_config(di: int, interpret: bool) -> dict:
+    """(BLOCK_B, BLOCK_R, num_warps): fp32 tiles of ~8K elements."""
+    di_pad = max(16, triton.next_power_of_2(di))
+    if interpret:
+        return dict(BLOCK_B=16, BLOCK_R=16, num_warps=4)
+    block = 64 if di_pad <= 128 else 32
+    return dict(BLOCK_B=block, BLOCK_R=block, num_warps=4)
+
+
+def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
+                      scale, is_first_prompt, cfg=None) -> torch.Tensor:  # fmt: skip
+    """The kernel's int64 sort keys ``[B*S, NB]`` (see the module docstring)."""
+    b, s, dq = index_query.shape
+    nb, di = index_block_keys.shape[1:]
+    keys = _empty((b * s, nb), dtype=torch.int64, device=index_query.device)
+    if keys.numel() == 0:
+        return keys
+    cfg = dict(cfg or score_config(di, _interpret()))
+    block_s = 16
+    grid = (triton.cdiv(nb, cfg["BLOCK_B"]), triton.cdiv(s, block_s), b)
+    indexer_score_kernel[grid](
+        q_ptr=index_query,
+        k_ptr=index_block_keys,
+        seqlens_ptr=seqlens_k,
+        key_ptr=keys,
+        seq_len=s,
+        num_blocks=nb,
+        stride_qb=index_query.stride(0),
+        stride_qs=index_query.stride(1),
+        stride_kb=index_block_keys.stride(0),
+        stride_kn=index_block_keys.stride(1),
+        scale=scale,
+        compress_ratio=compress_ratio,
+        NI=num_index_heads,
+        DI=di,
+        DI_PAD=max(16, triton.next_power_of_2(di)),
+        BLOCK_S=block_s,
+        S_TILE=min(block_s, s),
+        IS_FIRST_PROMPT=is_first_prompt,
+        **cfg,
+    )
+    return keys
+
+
+def indexer_triton(
+    index_query: torch.Tensor,
+    index_block_keys: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    num_index_heads: int,
+    compress_ratio: int,
+    token_budget: int,
+    scale: float,
+    is_first_prompt: bool,
+    cfg: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton SparseAttentionIndexer tier; same selection as the reference, no host sync.
+
+    index_query ``[B, S, NI*DI]`` float; index_block_keys ``[B, NB, DI]`` float (read in fp32);
+    seqlens_k ``[B]`` int32. Returns ``selected_indices [B*S, token_budget + r - 1]`` int32 and
+    ``selected_counts [B*S]`` int32 (layout of ``emit_selection``).
+    """
+    s = index_query.shape[1]
+    nb = index_block_keys.shape[1]
+    r = compress_ratio
+    rows = indexer_rows(seqlens_k, s, is_first_prompt, r, nb)
+    kb = token_budget // r
+    n_sel = torch.clamp(rows.n_complete, max=kb)
+    n_rows = rows.qpos.shape[0]
+    kk = min(kb, nb)
+    blocks = torch.full((n_rows, kb), nb, dtype=torch.int64, device=index_query.device)
+    if kk > 0 and n_rows > 0:
+        keys = indexer_sort_keys(
+            index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+            compress_ratio=r, scale=scale, is_first_prompt=is_first_prompt, cfg=cfg,
+        )  # fmt: skip
+        top = keys.topk(kk, dim=1, sorted=False).values  # [R, kk]: the kk largest keys
+        ids = (nb - 1) - (top & 0xFFFFFFFF)  # block ids
+        # visible blocks outrank invisible ones, so the top kk hold the n_sel chosen blocks
+        # exactly when they are visible (id < n_complete); the rest become the sentinel nb
+        chosen = ids < rows.n_complete[:, None]
+        blocks[:, :kk] = torch.where(chosen, ids, nb).sort(dim=1).values
+    return emit_selection(
+        blocks, n_sel, rows, compress_ratio=r, max_selected=token_budget + r - 1
+    )
