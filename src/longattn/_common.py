@@ -42,11 +42,24 @@ def check_tensor(
             if want is not None and got != want:
                 expected = tuple("*" if s is None else s for s in shape)
                 raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name} must be on {device} (like the activations), got {t.device}")
     if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     return t
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Device equality where an index-less ``cuda`` means the current CUDA device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -104,16 +104,15 @@ def _rms_norm_rotary_kernel(
 
 
 def _launch_config(num_heads: int, head: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): about 4K elements (a whole token at 32x128) per program.
+    """(BLOCK_N, num_warps): about 1K elements per program, 4 warps.
 
-    H200 sweep (benchmarks/results/rms_norm_rotary.md): 32x128 was best at BLOCK_N=32 / 8 warps,
-    16x256 at BLOCK_N=8-16; enough bytes in flight per SM is what matters for this
-    memory-bound kernel.
+    H200 sweep (benchmarks/results/rms_norm_rotary.md): 32x128 was best at BLOCK_N=8 / 4 warps
+    (75 us, 86% of copy bandwidth) and 16x256 at BLOCK_N=4 / 4 warps; 4K-element tiles with
+    8 warps were 1.7-2x slower.
     """
     head_pad = triton.next_power_of_2(head)
-    block_n = max(1, min(triton.next_power_of_2(num_heads), 4096 // head_pad))
-    num_warps = 8 if block_n * head_pad >= 4096 else 4
-    return block_n, num_warps
+    block_n = max(1, min(triton.next_power_of_2(num_heads), 1024 // head_pad))
+    return block_n, 4
 
 
 def rms_norm_rotary_triton(
