@@ -115,22 +115,27 @@ def write_results(
     notes: Sequence[str] = (),
     out_dir: str | os.PathLike | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``<op>.json`` (everything) and ``<op>.md`` (meta, notes, one table of rows)."""
+    """Write ``<op>.json`` (everything) and ``<op>.md`` (meta, notes, a table per row section)."""
     out = Path(out_dir) if out_dir else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"{op}.json", out / f"{op}.md"
     jpath.write_text(
         json.dumps({"op": op, "meta": meta, "notes": list(notes), "rows": rows}, indent=2)
     )
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
     lines = [f"# {op} benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += [""] + [f"- {n}" for n in notes] + [""]
-    lines.append("| " + " | ".join(cols) + " |")
-    lines.append("|" + "---|" * len(cols))
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    lines += [""] + [f"- {n}" for n in notes]
+    sections: dict[str, list[dict]] = {}
+    for r in rows:  # one table per "section" (rows without one share a table)
+        sections.setdefault(str(r.get("section", "")), []).append(r)
+    for name, group in sections.items():
+        cols: list[str] = []
+        for r in group:
+            cols += [c for c in r if c not in cols and c != "section"]
+        lines += ["", f"## {name}" if name else "## results", ""]
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        for r in group:
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
     mpath.write_text("\n".join(lines) + "\n")
     return jpath, mpath
