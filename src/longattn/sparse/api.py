@@ -333,7 +333,9 @@ def dynamic_sparse_attention(
             k_scale is given); must match ``past_key.dtype`` otherwise.
         query_dtype: round the prepared Q (after norm + rotary, fp32) once to this dtype (e.g.
             fp16 with bf16 activations, as ORT's FP16-query path does). None: the torch tiers
-            keep Q in fp32 (a future Triton tier documents its own choice).
+            keep Q in fp32; the triton tier rounds Q once to the dot dtype (fp16 for bf16
+            activations with an fp16 cache, else the activation dtype; for an int8 K cache the
+            k_scale is folded into Q before that rounding).
         validate: strict validation of the selection metadata (host sync).
         backend: "auto", "triton", "chunked" or "reference".
 

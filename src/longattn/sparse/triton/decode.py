@@ -134,7 +134,8 @@ def _attend_tile(
 
 @triton.jit
 def dsa_split_kernel(
-    q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype), contiguous
+    q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype; int8 K: * k_scale), contiguous
+    qa_ptr,  # the same without the k_scale fold (for auxiliary K; == q_ptr when no fold)
     kc_ptr,  # [B, KV, C, HEAD] main cache (float or int8)
     vc_ptr,
     ka_ptr,  # [B, KV, A, HEAD] auxiliary K (float; dummy without SEL_AUX)
@@ -212,8 +213,9 @@ def dsa_split_kernel(
     else:
         mask_d = offs_d < HEAD
     heads = kvh * GROUP + offs_g  # [G_PAD] query heads
-    q_ptrs = q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [G_PAD, HEAD_PAD]
+    q_offs = (row * NUM_HEADS + heads)[:, None] * HEAD + offs_d[None, :]
+    q_mask = mask_g[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
 
     acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -238,8 +240,9 @@ def dsa_split_kernel(
         from_main = split < win_splits
         ka_base = ka_ptr + b * stride_kab + kvh * stride_kah
         va_base = va_ptr + b * stride_vab + kvh * stride_vah
+        qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, ka_base, va_base, idx_row, stride_sel_j, stride_kac, stride_vac,
+            acc, m_i, l_i, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac, stride_vac,
             j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, False, False, False,
             SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC, BLOCK_N, INTERPRET,
         )  # fmt: skip
@@ -347,10 +350,9 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if q_dtype == torch.float32:
         return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
-    block_n = 64 if head <= 128 else 32
-    if cache_dtype == torch.int8:
-        block_n *= 2
-    return dict(BLOCK_N=block_n, num_warps=4, num_stages=3)
+    # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
+    # registers without spills (int8 included); larger tiles spill
+    return dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=3)
 
 
 def plan_splits(
@@ -383,9 +385,12 @@ def triton_prologue_fits(p: DSAParams) -> bool:
     return not (p.do_rotary and p.rotary_offset != 0)
 
 
-def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton):
+def run_prologue(
+    query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton, q_plain=None
+):
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
+    ``q_plain`` (torch path only): also Q without the k_scale fold (for auxiliary keys).
 
     ``use_triton``: the GQA tier's one-pass Triton prologue (``gqa.triton.launch.run_prologue``,
     whose contract DSAParams satisfies); else the shared torch prologue (fp32 math).
@@ -408,6 +413,8 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         q_norm_weight=p.q_norm_weight, k_norm_weight=p.k_norm_weight, epsilon=p.qk_norm_epsilon,
         k_scale=p.k_scale, v_scale=p.v_scale,
     )  # fmt: skip
+    if q_plain is not None:
+        q_plain.copy_(qf)
     if present_key.dtype == torch.int8:  # fold the K scale into Q before its one rounding
         g = p.group
         ks = scale_view(p.k_scale, kv_axis=-2).to(torch.float32)  # [] or [KV, H]
@@ -452,8 +459,15 @@ def dsa_triton(
         return out
     q_dtype = q_dtype_for(p, query.dtype, present_key.dtype)
     q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
+    sel_aux = p.selected_kv_source == "auxiliary"
+    # int8 main K with auxiliary keys: the aux dot needs Q without the k_scale fold (torch path)
+    two_q = sel_aux and present_key.dtype == torch.int8
+    q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton)
+    use_triton = use_triton and not two_q
+    run_prologue(
+        query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton, q_plain
+    )
 
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     m_sel = selected_indices.shape[1]
@@ -466,7 +480,6 @@ def dsa_triton(
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
     lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
 
-    sel_aux = p.selected_kv_source == "auxiliary"
     aux_k = auxiliary_key if sel_aux else present_key
     aux_v = (auxiliary_key if p.auxiliary_kv_shared else auxiliary_value) if sel_aux else aux_k
     quant_v = present_value.dtype == torch.int8
@@ -477,6 +490,7 @@ def dsa_triton(
     sel_pv = _pv_operands(q_dtype, aux_v.dtype) if sel_aux else main_pv
     dsa_split_kernel[(splits, kv, rows)](
         q_ptr=q_rot,
+        qa_ptr=q_plain if two_q else q_rot,
         kc_ptr=present_key,
         vc_ptr=present_value,
         ka_ptr=aux_k,

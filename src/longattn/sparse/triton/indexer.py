@@ -55,19 +55,15 @@ def indexer_score_kernel(
     BLOCK_S: tl.constexpr,  # query rows per program (>= 16: the head-sum dot's M)
     S_TILE: tl.constexpr,  # min(BLOCK_S, S): rows actually scanned per program
     BLOCK_R: tl.constexpr,  # (row, head) pairs per dot
+    BLOCK_D: tl.constexpr,  # channels per dot step
     IS_FIRST_PROMPT: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK_S
     b = tl.program_id(2).to(tl.int64)
     offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
-    offs_d = tl.arange(0, DI_PAD)  # [DI_PAD]
-    mask_d = offs_d < DI
     mask_c = offs_c < num_blocks
-    k_ptrs = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-    kt = tl.load(k_ptrs, mask=mask_c[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    # kt: [BLOCK_B, DI_PAD], read once for all rows of this program
-
+    k_rows = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn  # [BLOCK_B, 1]
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] local query rows
     acc = tl.zeros([BLOCK_S, BLOCK_B], dtype=tl.float32)
     for r0 in range(0, S_TILE * NI, BLOCK_R):
@@ -75,15 +71,19 @@ def indexer_score_kernel(
         s_loc = offs_r // NI
         hh = offs_r % NI
         r_ok = (offs_r < S_TILE * NI) & (s0 + s_loc < seq_len)
-        q_ptrs = (
-            q_ptr
-            + b * stride_qb
-            + (s0 + s_loc).to(tl.int64)[:, None] * stride_qs
-            + (hh * DI)[:, None]
-            + offs_d[None, :]
-        )
-        q = tl.load(q_ptrs, mask=r_ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        dots = tl.dot(q, tl.trans(kt), input_precision="ieee")  # [BLOCK_R, BLOCK_B]
+        q_rows = q_ptr + b * stride_qb + (s0 + s_loc).to(tl.int64)[:, None] * stride_qs
+        q_rows = q_rows + (hh * DI)[:, None]  # [BLOCK_R, 1]
+        dots = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+        # DI in chunks of BLOCK_D keeps the fp32 FMA dot's operands in registers; the key
+        # chunks are read from DRAM by the first row chunk (a decode step has one), then L1/L2
+        for d0 in tl.static_range(0, DI_PAD, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            mask_d = offs_d < DI
+            kt = tl.load(k_rows + offs_d[None, :], mask=mask_c[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)  # [BLOCK_B, BLOCK_D]  # fmt: skip
+            q = tl.load(q_rows + offs_d[None, :], mask=r_ok[:, None] & mask_d[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+            dots += tl.dot(q, tl.trans(kt), input_precision="ieee")  # [BLOCK_R, BLOCK_B]
         dots = tl.maximum(dots, 0.0)
         sel = (s_loc[None, :] == offs_s[:, None]) & r_ok[None, :]  # [BLOCK_S, BLOCK_R]
         acc += tl.dot(sel.to(tl.float32), dots, input_precision="ieee")
@@ -109,12 +109,10 @@ def indexer_score_kernel(
 
 
 def score_config(di: int, interpret: bool) -> dict:
-    """(BLOCK_B, BLOCK_R, num_warps): fp32 tiles of ~8K elements."""
-    di_pad = max(16, triton.next_power_of_2(di))
+    """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel."""
     if interpret:
-        return dict(BLOCK_B=16, BLOCK_R=16, num_warps=4)
-    block = 64 if di_pad <= 128 else 32
-    return dict(BLOCK_B=block, BLOCK_R=block, num_warps=4)
+        return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
+    return dict(BLOCK_B=64, BLOCK_R=32, BLOCK_D=32, num_warps=4)
 
 
 def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
@@ -190,6 +188,4 @@ def indexer_triton(
         # exactly when they are visible (id < n_complete); the rest become the sentinel nb
         chosen = ids < rows.n_complete[:, None]
         blocks[:, :kk] = torch.where(chosen, ids, nb).sort(dim=1).values
-    return emit_selection(
-        blocks, n_sel, rows, compress_ratio=r, max_selected=token_budget + r - 1
-    )
+    return emit_selection(blocks, n_sel, rows, compress_ratio=r, max_selected=token_budget + r - 1)

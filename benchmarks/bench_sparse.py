@@ -1,0 +1,324 @@
+"""Sparse stack benchmark (H200): SparseAttentionIndexer + DynamicSparseAttention, Triton tier.
+
+    PYTHONPATH=src python benchmarks/bench_sparse.py --out benchmarks/results
+
+Qwen3.8 geometry: H = 256, (N, KV) = (24, 4) (group 6), r = 64, token budget 2048
+(max_selected 2111), QSA mode (selected_only + main cache), bf16 activations; indexer with
+NI = 16 heads of DI = 128 (an assumption: fp32 block keys, bf16 index query).
+
+Sections (results are rewritten after each one, so a cut-short run keeps what it measured):
+- ``layer``: T in {32K, 64K, 128K, 256K}, S in {1, 8}, B in {1, 4}, bf16 cache: indexer +
+  DSA per layer, DSA alone, dense GQA decode over the same cache (``group_query_attention``,
+  whose Triton tier is used when present, else torch SDPA), and DSA's achieved bandwidth on
+  the bytes it must read: ``B*S*KV*count*H*2 (K+V) * itemsize`` (a gathered row is read once
+  per KV group) + Q + output.
+- ``cache``: FP16 vs BF16 main cache (T = 128K), INT8 vs BF16 at budget 8192 (T = 128K).
+- ``memory``: peak GPU memory of one DSA decode over a 256K-token cache of one layer vs the
+  bytes that cache needs.
+
+Timing: CUDA-graph replay of the whole op call (the public API, validation skipped inside the
+capture as in production decode), one graph per input set, rotating over sets of fresh
+queries/selections so the gathered rows are not found in L2 (the caches are far larger than L2).
+``eager_us`` (one config per section) adds the Python/validation overhead of an eager call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from longattn._rotary import rope_cache  # noqa: E402
+from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer  # noqa: E402
+from longattn.testing import error_stats  # noqa: E402
+
+H, N, KV, R, BUDGET, NI, DI = 256, 24, 4, 64, 2048, 16, 128
+DEV = "cuda"
+TS = (32768, 65536, 131072, 262144)
+MIN_TIME = 0.1
+
+
+def _gqa():
+    try:
+        from longattn.gqa import group_query_attention
+
+        return group_query_attention
+    except Exception:  # pragma: no cover - depends on the checkout
+        return None
+
+
+class Layer:
+    """One layer's state: main cache [B, KV, C, H], rotary tables, norms, indexer block keys."""
+
+    def __init__(self, b, cap, cache_dtype):
+        self.b, self.cap, self.dtype = b, cap, cache_dtype
+        shape = (b, KV, cap, H)
+        if cache_dtype == torch.int8:
+            self.k = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8)
+            self.v = torch.randint(-127, 128, shape, device=DEV, dtype=torch.int8)
+            self.k_scale = torch.full((1,), 0.02, device=DEV)
+            self.v_scale = torch.full((1,), 0.02, device=DEV)
+        else:
+            self.k = torch.randn(shape, device=DEV, dtype=cache_dtype)
+            self.v = torch.randn(shape, device=DEV, dtype=cache_dtype)
+            self.k_scale = self.v_scale = None
+        self.cos, self.sin = rope_cache(cap + 8, H // 2, device=DEV)
+        self.qn = 1 + 0.1 * torch.randn(H, device=DEV)
+        self.kn = 1 + 0.1 * torch.randn(H, device=DEV)
+        self.block_keys = torch.randn(b, cap // R + 1, DI, device=DEV)
+
+    def cache_bytes(self, t):
+        return 2 * self.b * KV * t * H * self.k.element_size()
+
+
+def _inputs(layer, s, t, n_sets, budget):
+    b = layer.b
+    seqlens = torch.full((b,), t - 1, dtype=torch.int32, device=DEV)
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(b, s, N * H, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(b, s, KV * H, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(b, s, KV * H, device=DEV, dtype=torch.bfloat16)
+        iq = torch.randn(b, s, NI * DI, device=DEV, dtype=torch.bfloat16)
+        sel, cnt = sparse_attention_indexer(
+            iq, layer.block_keys, seqlens, compress_ratio=R, token_budget=budget,
+            total_sequence_length=t,
+        )  # fmt: skip
+        sets.append(dict(q=q, k=k, v=v, iq=iq, sel=sel, cnt=cnt))
+    return seqlens, sets
+
+
+def _dsa(layer, x, seqlens, t, sel, cnt):
+    return dynamic_sparse_attention(
+        x["q"], x["k"], x["v"], layer.k, layer.v, selected_indices=sel, selected_counts=cnt,
+        seqlens_k=seqlens, total_sequence_length=t, num_heads=N, kv_num_heads=KV,
+        cos_cache=layer.cos, sin_cache=layer.sin, do_rotary=True, q_norm_weight=layer.qn,
+        k_norm_weight=layer.kn, k_scale=layer.k_scale, v_scale=layer.v_scale,
+    )[0]  # fmt: skip
+
+
+def _dsa_sel(layer, seqlens, t, x):
+    return _dsa(layer, x, seqlens, t, x["sel"], x["cnt"])
+
+
+def _layer_step(layer, x, seqlens, t, budget):
+    sel, cnt = sparse_attention_indexer(
+        x["iq"], layer.block_keys, seqlens, compress_ratio=R, token_budget=budget,
+        total_sequence_length=t,
+    )  # fmt: skip
+    return _dsa(layer, x, seqlens, t, sel, cnt)
+
+
+def _layer_step_x(layer, seqlens, t, budget, x):
+    return _layer_step(layer, x, seqlens, t, budget)
+
+
+def _dense_x(layer, seqlens, t, x):
+    return _dense(layer, x, seqlens, t)
+
+
+def _dense(layer, x, seqlens, t):
+    gqa = _gqa()
+    if gqa is not None:
+        return gqa(
+            x["q"], x["k"], x["v"], layer.k, layer.v, seqlens_k=seqlens,
+            total_sequence_length=t, num_heads=N, kv_num_heads=KV, cos_cache=layer.cos,
+            sin_cache=layer.sin, do_rotary=True, q_norm_weight=layer.qn,
+            k_norm_weight=layer.kn, k_scale=layer.k_scale, v_scale=layer.v_scale,
+        )[0]  # fmt: skip
+    s = x["q"].shape[1]  # SDPA fallback: attention only (no prologue), bf16 cache slice
+    q = x["q"].view(layer.b, s, N, H).transpose(1, 2)
+    mask = torch.ones(s, t, dtype=torch.bool, device=DEV).tril(t - s)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, layer.k[:, :, :t], layer.v[:, :, :t], attn_mask=mask, enable_gqa=True
+    )
+
+
+def _graph_time(fn, sets):
+    """Median us of CUDA-graph replays of ``fn(x)``, one graph per input set (rotated); if a
+    capture fails, the eager median (printed), so one failing peer does not stop the run."""
+    fn(sets[0])  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    try:
+        return _graph_time_inner(fn, sets)
+    except Exception as exc:  # pragma: no cover - depends on the peer's capturability
+        print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return bench(fn, [(x,) for x in sets], min_time_s=MIN_TIME)["median_us"]
+
+
+def _graph_time_inner(fn, sets):
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x in sets:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                fn(x)
+            graphs.append(g)
+    torch.cuda.current_stream().wait_stream(stream)
+    t = bench(lambda g: g.replay(), [(g,) for g in graphs], min_time_s=MIN_TIME)
+    del graphs
+    return t["median_us"]
+
+
+def _dsa_bytes(layer, s, sets):
+    """Bytes DSA must read: valid candidate K/V rows (once per KV group) + Q + output + meta."""
+    cnt = torch.stack([x["cnt"] for x in sets]).double().mean(0).sum().item()  # sum over rows
+    rows = cnt * KV * H * 2 * layer.k.element_size()
+    qo = 2 * layer.b * s * N * H * 2
+    meta = layer.b * s * sets[0]["sel"].shape[1] * 4
+    return rows + qo + meta
+
+
+def _row(section, layer, s, t, budget, **vals):
+    return dict(section=section, cache=str(layer.dtype).removeprefix("torch."), B=layer.b,
+                S=s, T=t, budget=budget, **vals)  # fmt: skip
+
+
+def layer_section(rows, layers, copy_tbs):
+    for b in (1, 4):
+        layer = layers[(b, torch.bfloat16)]
+        for t in TS:
+            for s in (1, 8):
+                n_sets = copies_for_l2(layer.b * s * KV * (BUDGET + R) * H * 4, max_sets=8)
+                seqlens, sets = _inputs(layer, s, t, n_sets, BUDGET)
+                t_dsa = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
+                step = functools.partial(_layer_step_x, layer, seqlens, t, BUDGET)
+                t_layer = _graph_time(step, sets)
+                dense_sets = sets[:2]  # the dense read (>= 134 MB) exceeds L2 by itself
+                dense = functools.partial(_dense_x, layer, seqlens, t)
+                t_dense = _graph_time(dense, dense_sets)
+                nbytes = _dsa_bytes(layer, s, sets)
+                tbs = nbytes / (t_dsa * 1e-6) / 1e12
+                r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
+                         dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
+                         dense_gqa_us=round(t_dense, 2),
+                         dense_over_sparse=round(t_dense / t_layer, 2),
+                         dsa_MB=round(nbytes / 1e6, 2), dsa_TBps=round(tbs, 3),
+                         dsa_vs_copy_BW=round(tbs / copy_tbs, 3))  # fmt: skip
+                rows.append(r)
+                print(r, flush=True)
+                del sets
+
+
+def cache_section(rows, layers, copy_tbs):
+    t = 131072
+    for b in (1, 4):
+        for budget, dtypes in ((BUDGET, (torch.bfloat16, torch.float16)),
+                               (8192, (torch.bfloat16, torch.int8))):  # fmt: skip
+            base = None
+            for dt in dtypes:
+                layer = layers[(b, dt)]
+                for s in (1, 8):
+                    n_sets = copies_for_l2(b * s * KV * (budget + R) * H * 4, max_sets=8)
+                    seqlens, sets = _inputs(layer, s, t, n_sets, budget)
+                    us = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
+                    nbytes = _dsa_bytes(layer, s, sets)
+                    tbs = nbytes / (us * 1e-6) / 1e12
+                    key = (b, budget, s)
+                    if dt == torch.bfloat16:
+                        base = {**(base or {}), key: us}
+                    r = _row("cache", layer, s, t, budget, dsa_us=round(us, 2),
+                             vs_bf16=round(us / base[key], 3), dsa_MB=round(nbytes / 1e6, 2),
+                             dsa_TBps=round(tbs, 3), dsa_vs_copy_BW=round(tbs / copy_tbs, 3))  # fmt: skip
+                    rows.append(r)
+                    print(r, flush=True)
+
+
+def eager_section(rows, layers):
+    layer = layers[(1, torch.bfloat16)]
+    t = 131072
+    seqlens, sets = _inputs(layer, 1, t, 4, BUDGET)
+    t_eager = bench(
+        lambda x: _layer_step(layer, x, seqlens, t, BUDGET), [(x,) for x in sets],
+        min_time_s=MIN_TIME,
+    )["median_us"]  # fmt: skip
+    # correctness at this shape: triton vs the chunked tier (fp32 math), same inputs
+    x = sets[0]
+    ours = _dsa(layer, x, seqlens, t, x["sel"], x["cnt"])
+    want = dynamic_sparse_attention(
+        x["q"], x["k"], x["v"], layer.k, layer.v, selected_indices=x["sel"],
+        selected_counts=x["cnt"], seqlens_k=seqlens, total_sequence_length=t, num_heads=N,
+        kv_num_heads=KV, cos_cache=layer.cos, sin_cache=layer.sin, do_rotary=True,
+        q_norm_weight=layer.qn, k_norm_weight=layer.kn, backend="chunked",
+    )[0]  # fmt: skip
+    err = error_stats(ours, want.double()).rel_rms
+    r = _row("eager", layer, 1, t, BUDGET, indexer_plus_dsa_eager_us=round(t_eager, 2),
+             rel_rms_vs_chunked=f"{err:.2e}")  # fmt: skip
+    rows.append(r)
+    print(r, flush=True)
+
+
+def memory_section(rows, layers):
+    t = 262144
+    for dt in (torch.bfloat16, torch.int8):
+        layer = layers[(1, dt)]
+        seqlens, sets = _inputs(layer, 1, t, 1, BUDGET)
+        x = sets[0]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _layer_step(layer, x, seqlens, t, BUDGET)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+        need = layer.cache_bytes(t)
+        r = _row("memory", layer, 1, t, BUDGET, cache_MB=round(need / 1e6, 1),
+                 op_peak_extra_MB=round(extra / 1e6, 3),
+                 peak_over_cache=round((need + extra) / need, 4))  # fmt: skip
+        rows.append(r)
+        print(r, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--sections", default="layer,cache,eager,memory")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    meta = gpu_meta()
+    ceil = measure_ceilings(copy_bytes=1 << 30, gemm_n=4096)
+    meta.update(ceil)
+    meta["dense_peer"] = "group_query_attention (auto tier)" if _gqa() else "torch SDPA"
+    print(meta, flush=True)
+    notes = [
+        f"geometry: H={H}, (N, KV)=({N}, {KV}), r={R}, budget {BUDGET} (max_selected "
+        f"{BUDGET + R - 1}), indexer NI={NI} x DI={DI} (assumed), QSA mode, bf16 activations,"
+        " rotary + QK-norm on, every sequence at length T (decode: the last S positions).",
+        "times: CUDA-graph replay of the public op calls (indexer: triton kernel + torch top-k +"
+        " emission; DSA: prologue + split kernel + merge), median over rotated input sets;"
+        " indexer_us = (indexer + DSA) - DSA.",
+        "dsa_TBps: bytes DSA must read (valid candidate K+V rows once per KV group, Q, output,"
+        " indices) / time; dsa_vs_copy_BW against the measured copy bandwidth.",
+        "dense_gqa_us: dense decode of the same S new tokens over all T cached keys.",
+    ]
+    rows: list[dict] = []
+    layers = {}
+    cap = max(TS) + 64
+    for b in (1, 4):
+        for dt in (torch.bfloat16, torch.float16, torch.int8):
+            layers[(b, dt)] = Layer(b, cap, dt)
+    t0 = time.time()
+    sections = {
+        "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"]),
+        "cache": lambda: cache_section(rows, layers, ceil["copy_TBps"]),
+        "eager": lambda: eager_section(rows, layers),
+        "memory": lambda: memory_section(rows, layers),
+    }
+    for name in args.sections.split(","):
+        sections[name]()
+        print(f"== {name} done at {time.time() - t0:.1f}s", flush=True)
+        write_results("sparse", meta, rows, notes=notes, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
