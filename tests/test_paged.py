@@ -438,13 +438,15 @@ def test_against_truth_and_gqa(case, backend, monkeypatch):
     run_case(case, backend)
 
 
-def test_auto_picks_chunked_and_triton_is_a_stub():
+def test_auto_picks_chunked_on_cpu_and_triton_gate_names_its_limits():
     bt = make_batch(Case(seed=11))
     out_auto, kc_a, _ = bt.call("auto")
     out_ch, kc_c, _ = bt.call("chunked")
     assert torch.equal(out_auto, out_ch) and torch.equal(bits(kc_a), bits(kc_c))
-    with pytest.raises(RuntimeError, match="triton paged kernel not implemented yet"):
-        bt.call("triton")
+    with pytest.raises(RuntimeError, match="block_size 12 is not a power of two"):
+        make_batch(Case(seed=11, block_size=12)).call("triton")
+    with pytest.raises(RuntimeError, match="head_size 80 not in"):
+        make_batch(Case(seed=11, head_size=80)).call("triton")
 
 
 def test_padding_entries_are_never_used():

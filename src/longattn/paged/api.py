@@ -14,13 +14,37 @@ from .chunked import paged_attention_chunked
 from .reference import paged_attention_reference
 
 OP_NAME = "paged_attention"
+TRITON_HEAD_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
+
+
+def triton_gate_reason(device, act_dtype, cache_dtype, head_size, block_size, explicit):
+    """The triton tier's gate: head size, power-of-two block_size, device/dtype, importable."""
+    if head_size not in TRITON_HEAD_SIZES:
+        return False, f"head_size {head_size} not in {TRITON_HEAD_SIZES}"
+    if block_size < 1 or block_size & (block_size - 1):
+        return False, (
+            f"block_size {block_size} is not a power of two (the triton paged kernels need one; "
+            "the chunked tier takes any block_size)"
+        )
+    if act_dtype not in FLOAT_DTYPES:
+        return False, f"activation dtype {act_dtype} not in {FLOAT_DTYPES}"
+    dtypes = (act_dtype,) + ((cache_dtype,) if cache_dtype.is_floating_point else ())
+    ok, reason = _cascade.triton_device_gate(device, dtypes, explicit)
+    if not ok:
+        return ok, reason
+    try:
+        from .triton import paged_attention_triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return False, f"the paged triton tier failed to import ({type(exc).__name__}: {exc})"
+    return True, reason
 
 
 def gates(query: torch.Tensor, key_cache: torch.Tensor, p: PagedParams):
     """Tier gates for these inputs: {tier: gate(explicit) -> (ok, reason)}."""
 
     def triton_gate(explicit: bool):
-        return False, "triton paged kernel not implemented yet"
+        return triton_gate_reason(query.device, query.dtype, key_cache.dtype, p.head_size,
+                                  key_cache.shape[1], explicit)  # fmt: skip
 
     return {"triton": triton_gate, "chunked": _cascade.always, "reference": _cascade.always}
 
@@ -36,6 +60,10 @@ def _run(query, key, value, key_cache, value_cache, cu, past, table, p: PagedPar
     tier = _cascade.select_backend(OP_NAME, backend, gates(query, key_cache, p))
     q, k, v = _split_packed(query, key, value, p)
     args = (q, k, v, key_cache, value_cache, cu, past, table, p)
+    if tier == "triton":
+        from .triton import paged_attention_triton
+
+        return paged_attention_triton(*args)
     if tier == "chunked":
         return paged_attention_chunked(*args)
     return paged_attention_reference(*args)
@@ -271,9 +299,9 @@ def paged_attention(
             capture; pass ``False`` on hot decode paths. Without the checks bad indices do not
             read or write out of bounds, but the result is undefined. Shape/dtype errors are
             always raised.
-        backend: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``. The Triton tier is
-            not implemented yet (its gate always fails, so ``"auto"`` picks ``"chunked"``). The
-            torch tiers read ``cumulative_sequence_length``/``past_seqlens`` on the host once per
+        backend: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``. The Triton tier
+            (CUDA; H in 16..256 powers of two, power-of-two block_size) reads K/V through the
+            block table with no gather and no host sync (CUDA-graph capturable). The torch tiers read ``cumulative_sequence_length``/``past_seqlens`` on the host once per
             call (a device sync: not CUDA-graph capturable) and loop over the sequences.
 
     Returns:

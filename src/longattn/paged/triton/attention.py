@@ -45,20 +45,40 @@ def tile_blocks(table_row, offs_n, max_blocks, num_blocks, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def next_blocks(table_row, start_n, max_blocks, num_blocks, BLOCK_N: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Block entries of the tile at ``start_n``: one scalar when a tile lies inside one block
+    (BLOCK_SIZE >= BLOCK_N; tiles start on multiples of BLOCK_N), else ``[BLOCK_N]``."""
+    if BLOCK_SIZE >= BLOCK_N:
+        col = start_n // BLOCK_SIZE
+        blk = tl.load(table_row + col, mask=col < max_blocks, other=0)
+        return tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return tile_blocks(table_row, offs_n, max_blocks, num_blocks, BLOCK_SIZE)
+
+
+@triton.jit
 def load_paged_tile(
     cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, HEAD]
-    blk,  # [BLOCK_N] int64 physical blocks
-    offs_n,  # [BLOCK_N] key positions
+    blk,  # int64 physical block(s): scalar (BLOCK_SIZE >= BLOCK_N) or [BLOCK_N]
+    start_n,  # first key position of the tile (a multiple of BLOCK_N)
     offs_d,  # [HEAD]
     head_off,  # kvh * HEAD
     end,  # keys >= end are not read
     stride_slot,  # KV * HEAD
+    BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """``[BLOCK_N, HEAD]`` paged K or V tile converted to the dot dtype (int8 -> exact ints)."""
-    row = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N] slots
+    """``[BLOCK_N, HEAD]`` paged K or V tile converted to the dot dtype (int8 -> exact ints).
+    Inside one block the row addresses are affine (one base + offsets, as a contiguous cache)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    if BLOCK_SIZE >= BLOCK_N:
+        row = blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        row = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N] slots
     ptrs = cache_ptr + (row * stride_slot + head_off)[:, None] + offs_d[None, :]
     if MASKED:
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
@@ -77,14 +97,14 @@ def _attend_tile(
     """Fold the KV tile [start_n, start_n + BLOCK_N) (blocks ``blk``) into the softmax state."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_paged_tile(kc_ptr, blk, offs_n, offs_d, head_off, end, stride_slot, BLOCK_SIZE,
-                        DOT_DTYPE, MASKED)  # fmt: skip
+    k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
+                        BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
     s = scores(q, k, qk_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)  # [ROWS, BLOCK_N]
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
-    v = load_paged_tile(vc_ptr, blk, offs_n, offs_d, head_off, end, stride_slot, BLOCK_SIZE,
-                        DOT_DTYPE, MASKED)  # fmt: skip
+    v = load_paged_tile(vc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
+                        BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
     return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
 
 
@@ -98,12 +118,11 @@ def _attend_range(
 ):  # fmt: skip
     """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched. The
     interpreter (numpy 2) cannot take tensor bounds in ``range``: it runs a while loop."""
-    offs = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    blk = tile_blocks(table_row, lo + offs, max_blocks, num_blocks, BLOCK_SIZE)
+    blk = next_blocks(table_row, lo, max_blocks, num_blocks, BLOCK_N, BLOCK_SIZE)
     if INTERPRET:
         start_n = lo
         while start_n < hi:
-            nxt = tile_blocks(table_row, start_n + BLOCK_N + offs, max_blocks, num_blocks,
+            nxt = next_blocks(table_row, start_n + BLOCK_N, max_blocks, num_blocks, BLOCK_N,
                               BLOCK_SIZE)  # fmt: skip
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
@@ -114,7 +133,7 @@ def _attend_range(
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            nxt = tile_blocks(table_row, start_n + BLOCK_N + offs, max_blocks, num_blocks,
+            nxt = next_blocks(table_row, start_n + BLOCK_N, max_blocks, num_blocks, BLOCK_N,
                               BLOCK_SIZE)  # fmt: skip
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
@@ -206,6 +225,7 @@ def paged_attn_kernel(
         s_len = pick(new_v, offs_b, b)
         past = pick(past_v, offs_b, b)
         total = past + s_len
+        pslot = pick(pslot_end_v, offs_b, b) - items_b + local  # partial slot (split items)
 
         offs_r = tl.arange(0, ROWS)  # [ROWS]
         offs_d = tl.arange(0, HEAD)  # [HEAD]
@@ -224,7 +244,7 @@ def paged_attn_kernel(
         kv_hi = tl.minimum(q_hi + 1, total)
         kv_lo = 0
         if HAS_WINDOW:
-            kv_lo = tl.maximum(q_lo - window + 1, 0)
+            kv_lo = tl.maximum(q_lo - window + 1, 0) // BLOCK_N * BLOCK_N  # tiles on the grid
         kv_lo = tl.minimum(kv_lo, kv_hi)
         chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, splits), BLOCK_N) * BLOCK_N
         start = kv_lo + split * chunk
@@ -271,12 +291,26 @@ def paged_attn_kernel(
             o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
             tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            pslot = pick(pslot_end_v, offs_b, b) - items_b + local  # partial slot of the item
             part = (pslot.to(tl.int64) * KV_HEADS + kvh) * ROWS + offs_r  # [ROWS]
             o = normalize(acc, l_i)
             lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             tl.store(lse_part_ptr + part, lse, mask=row_ok)
             tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_step(acc, m_i, l_i, o_part_ptr, lse_part_ptr, pslot, kvh, offs_r, offs_d, row_ok,
+                KV_HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr):  # fmt: skip
+    """Fold partial slot ``pslot`` (normalized o [ROWS, HEAD], lse [ROWS]) into the state."""
+    part = (pslot.to(tl.int64) * KV_HEADS + kvh) * ROWS + offs_r  # [ROWS]
+    lse = tl.load(lse_part_ptr + part, mask=row_ok, other=float("-inf"))
+    o = tl.load(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)  # fmt: skip
+    m_new = tl.maximum(m_i, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    w = tl.exp2(lse - m_safe)
+    return acc * alpha[:, None] + o * w[:, None], m_new, l_i * alpha + w
 
 
 @triton.jit
@@ -307,6 +341,7 @@ def paged_merge_kernel(
     HAS_SINK: tl.constexpr,
     SINK_FROM_PTR: tl.constexpr,
     HAS_VSCALE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Log-sum-exp merge of one split query tile's partials (the sink enters once)."""
     pid = tl.program_id(0)
@@ -332,20 +367,16 @@ def paged_merge_kernel(
         acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
-        sp = 0
-        while sp < splits:  # a while loop: a runtime bound both compiled and interpreted
-            part = ((base + sp).to(tl.int64) * KV_HEADS + kvh) * ROWS + offs_r  # [ROWS]
-            lse = tl.load(lse_part_ptr + part, mask=row_ok, other=float("-inf"))
-            o = tl.load(o_part_ptr + part[:, None] * HEAD + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)  # fmt: skip
-            m_new = tl.maximum(m_i, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            l_i = l_i * alpha + w
-            m_i = m_new
-            sp += 1
+        if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range
+            sp = 0
+            while sp < splits:
+                acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_part_ptr, lse_part_ptr, base + sp,
+                                            kvh, offs_r, offs_d, row_ok, KV_HEADS, ROWS, HEAD)  # fmt: skip
+                sp += 1
+        else:
+            for sp in range(0, splits):
+                acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_part_ptr, lse_part_ptr, base + sp,
+                                            kvh, offs_r, offs_d, row_ok, KV_HEADS, ROWS, HEAD)  # fmt: skip
         o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
                          HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
         tok = (cu0 + s_idx).to(tl.int64)

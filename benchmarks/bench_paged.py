@@ -1,0 +1,252 @@
+"""PagedAttention benchmark (H200): the Triton paged tier vs contiguous GQA decode, gather + SDPA.
+
+    PYTHONPATH=src python benchmarks/bench_paged.py --out benchmarks/results
+
+Sections (results rewritten after each, so a cut-short run keeps what it measured):
+- ``decode``: S = 1, bf16 cache, (N, KV) = (32, 8), H = 128, B in {8, 64}, ragged T in
+  1K..64K (seeded), block_size in {16, 64, 256}, blocks a random permutation of the pool.
+  GB/s on the K/V bytes read (sum_b T_b * KV * H * 2 * 2). Peers at the same bytes: the
+  contiguous GQA Triton decode (``gqa_triton`` on a ``[B, KV, T_max, H]`` cache with the same
+  ragged lengths) and "gather + SDPA" (the paged K/V gathered into a padded ``[B, KV, T_max, H]``
+  buffer through the block table, then SDPA with a length mask; the gather is timed too).
+- ``mixed``: 4 sequences x 2K new tokens (first prompts) + 60 decode sequences (T in 1K..16K) in
+  one paged call, vs the two parts run separately with SDPA (causal prefill on the 4 prompts,
+  gather + SDPA decode on the 60).
+
+All timings are CUDA-graph replays (GPU time, no Python launch overhead); one input set per
+shape: every shape moves >= 3x the 60 MB L2 per call. FlexAttention paged decode is not measured
+(not set up yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _harness import bench, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from longattn._rotary import rope_cache  # noqa: E402
+from longattn.gqa._params import GQAParams  # noqa: E402
+from longattn.gqa.triton.launch import gqa_triton  # noqa: E402
+from longattn.paged._params import PagedParams  # noqa: E402
+from longattn.paged.triton import paged_attention_triton  # noqa: E402
+
+N, KV, H = 32, 8, 128
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def _graph_us(fn, args):
+    """Median microseconds of CUDA-graph replays of ``fn(*args)``, or None if it fails."""
+    try:
+        fn(*args)  # compile / warm up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        return bench(lambda: g.replay(), [()], warmup=3)["median_us"]
+    except Exception as exc:  # a peer that rejects the shape
+        print(f"    n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _paged_params(cos, sin) -> PagedParams:
+    return PagedParams(
+        num_heads=N, kv_num_heads=KV, head_size=H, scale=1.0 / math.sqrt(H), softcap=0.0,
+        local_window_size=-1, do_rotary=True, rotary_interleaved=False, smooth_softmax=False,
+        qk_norm_epsilon=1e-6, cos_cache=cos, sin_cache=sin, head_sink=None, q_norm_weight=None,
+        k_norm_weight=None, k_scale=None, v_scale=None,
+    )  # fmt: skip
+
+
+def _gqa_params(t_max, cos, sin) -> GQAParams:
+    return GQAParams(
+        num_heads=N, kv_num_heads=KV, head_size=H, scale=1.0 / math.sqrt(H), softcap=0.0,
+        local_window_size=-1, do_rotary=True, rotary_interleaved=False, smooth_softmax=False,
+        qk_norm_epsilon=1e-6, is_first_prompt=False, total_sequence_length=t_max, cos_cache=cos,
+        sin_cache=sin, position_ids=None, attention_bias=None, head_sink=None,
+        q_norm_weight=None, k_norm_weight=None, k_scale=None, v_scale=None,
+    )  # fmt: skip
+
+
+def _paged_batch(new: list[int], past: list[int], block_size: int, seed: int):
+    """Caches (random bf16, blocks a permutation of the pool), cu, past, table, q/k/v."""
+    g = torch.Generator().manual_seed(seed)
+    total = [a + b for a, b in zip(new, past)]
+    need = [-(-t // block_size) for t in total]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.full((len(new), max(need)), -1, dtype=torch.int32)
+    off = 0
+    for i, n_b in enumerate(need):
+        table[i, :n_b] = perm[off : off + n_b]
+        off += n_b
+    shape = (num_blocks, block_size, KV, H)
+    kc = torch.randn(shape, device=DEV, dtype=BF16)
+    vc = torch.randn(shape, device=DEV, dtype=BF16)
+    cu = torch.zeros(len(new) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(new).cumsum(0)
+    tokens = sum(new)
+    q = torch.randn(tokens, N * H, device=DEV, dtype=BF16)
+    k = torch.randn(tokens, KV * H, device=DEV, dtype=BF16)
+    v = torch.randn(tokens, KV * H, device=DEV, dtype=BF16)
+    past_t = torch.tensor(past, dtype=torch.int32, device=DEV)
+    return q, k, v, kc, vc, cu.to(DEV), past_t, table.to(DEV)
+
+
+def _gather_slots(table, lengths, t_max, block_size):
+    """int64 [B, t_max] flat slots of each sequence's positions (clamped past its length)."""
+    pos = torch.arange(t_max, device=DEV)
+    lens = torch.tensor(lengths, device=DEV)
+    pos = torch.minimum(pos[None, :], (lens - 1)[:, None])  # [B, t_max]
+    blk = torch.gather(table.long(), 1, pos // block_size)
+    return blk * block_size + pos % block_size
+
+
+def _gather_sdpa_fn(kc, vc, slots, mask):
+    """Gather the paged K/V into [B, KV, t_max, H] through the table, then SDPA."""
+    flat_k, flat_v = kc.view(-1, KV, H), vc.view(-1, KV, H)
+
+    def fn(q):
+        k = flat_k[slots].transpose(1, 2)  # [B, KV, t_max, H]
+        v = flat_v[slots].transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                enable_gqa=True)  # fmt: skip
+
+    return fn
+
+
+def _ragged(b, lo, hi, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
+    t[0] = hi
+    return t
+
+
+def decode(rows, copy_tbs):
+    for b in (8, 64):
+        lengths = _ragged(b, 1024, 65536, seed=b)  # totals incl. the new token
+        t_max = max(lengths)
+        nbytes = sum(lengths) * KV * H * 2 * 2
+        cos, sin = rope_cache(t_max + 1, H, device=DEV)
+        # Contiguous GQA decode on the same lengths (same bytes read).
+        pk = torch.randn(b, KV, t_max, H, device=DEV, dtype=BF16)
+        pv = torch.randn_like(pk)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV) - 1
+        gq = torch.randn(b, 1, N * H, device=DEV, dtype=BF16)
+        gk = torch.randn(b, 1, KV * H, device=DEV, dtype=BF16)
+        gv = torch.randn_like(gk)
+        gp = _gqa_params(t_max, cos, sin)
+        gqa_us = _graph_us(gqa_triton, (gq, gk, gv, pk, pv, seqlens, gp))
+        del pk, pv
+        torch.cuda.empty_cache()
+        for bs in (16, 64, 256):
+            q, k, v, kc, vc, cu, past, table = _paged_batch([1] * b, [t - 1 for t in lengths],
+                                                            bs, seed=bs)  # fmt: skip
+            p = _paged_params(cos, sin)
+            ours = _graph_us(paged_attention_triton, (q, k, v, kc, vc, cu, past, table, p))
+            slots = _gather_slots(table, lengths, t_max, bs)
+            mask = (
+                torch.arange(t_max, device=DEV)[None, :]
+                < torch.tensor(lengths, device=DEV)[:, None]
+            )
+            mask = mask[:, None, None, :]  # [B, 1, 1, t_max]
+            sq = torch.randn(b, N, 1, H, device=DEV, dtype=BF16)
+            gather_sdpa = _graph_us(_gather_sdpa_fn(kc, vc, slots, mask), (sq,))
+            flat = kc.view(-1, KV, H)
+            gather_only = _graph_us(lambda f, i: f[i], (flat, slots))
+            row = dict(section="decode", B=b, block_size=bs, T_min=min(lengths), T_max=t_max,
+                       KV_MB=nbytes / 1e6, ours_us=ours, gqa_contig_us=gqa_us,
+                       gather_sdpa_us=gather_sdpa, gather_only_us=gather_only,
+                       floor_us=nbytes / (copy_tbs * 1e12) * 1e6)  # fmt: skip
+            for name in ("ours", "gqa_contig", "gather_sdpa"):
+                us = row[f"{name}_us"]
+                row[f"{name}_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
+            if ours and gqa_us:
+                row["ours_vs_gqa"] = gqa_us / ours
+            if ours and gather_sdpa:
+                row["speedup_vs_gather_sdpa"] = gather_sdpa / ours
+            print(f"  {row}", flush=True)
+            rows.append(row)
+            del q, k, v, kc, vc, slots, mask, flat
+            torch.cuda.empty_cache()
+
+
+def mixed(rows, copy_tbs, block_size=64):
+    n_pre, s_pre, n_dec = 4, 2048, 60
+    dec_len = _ragged(n_dec, 1024, 16384, seed=7)
+    new = [s_pre] * n_pre + [1] * n_dec
+    past = [0] * n_pre + [t - 1 for t in dec_len]
+    cos, sin = rope_cache(max(dec_len) + s_pre + 1, H, device=DEV)
+    q, k, v, kc, vc, cu, past_t, table = _paged_batch(new, past, block_size, seed=11)
+    p = _paged_params(cos, sin)
+    ours = _graph_us(paged_attention_triton, (q, k, v, kc, vc, cu, past_t, table, p))
+    # SDPA, the two parts separately: causal prefill [4, N, 2K, H] + gather + SDPA decode.
+    pq = torch.randn(n_pre, N, s_pre, H, device=DEV, dtype=BF16)
+    pk = torch.randn(n_pre, KV, s_pre, H, device=DEV, dtype=BF16)
+    pv = torch.randn_like(pk)
+    pre_us = _graph_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            pq, pk, pv, is_causal=True, enable_gqa=True
+        ),
+        (),
+    )
+    t_max = max(dec_len)
+    slots = _gather_slots(table[n_pre:], dec_len, t_max, block_size)
+    mask = torch.arange(t_max, device=DEV)[None, :] < torch.tensor(dec_len, device=DEV)[:, None]
+    sq = torch.randn(n_dec, N, 1, H, device=DEV, dtype=BF16)
+    dec_us = _graph_us(_gather_sdpa_fn(kc, vc, slots, mask[:, None, None, :]), (sq,))
+    row = dict(section="mixed", block_size=block_size, prefill=f"{n_pre}x{s_pre}",
+               decode=f"{n_dec} x T {min(dec_len)}..{t_max}", ours_us=ours,
+               sdpa_prefill_us=pre_us, gather_sdpa_decode_us=dec_us)  # fmt: skip
+    if pre_us and dec_us:
+        row["sdpa_parts_us"] = pre_us + dec_us
+        if ours:
+            row["speedup_vs_sdpa_parts"] = (pre_us + dec_us) / ours
+    print(f"  {row}", flush=True)
+    rows.append(row)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--sections", default="decode,mixed")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    meta = gpu_meta()
+    ceil = measure_ceilings(copy_bytes=1 << 30, gemm_n=4096)
+    meta.update(ceil)
+    print(meta, flush=True)
+    notes = [
+        "decode: S = 1, bf16, (N, KV) = (32, 8), H = 128, rotary on; bytes = K + V rows read "
+        "(sum of the ragged T); floor_us = bytes / measured copy bandwidth.",
+        "gqa_contig: longattn's contiguous GQA Triton decode on the same ragged lengths; "
+        "gather_sdpa: paged K/V gathered to a padded [B, KV, T_max, H] buffer then SDPA with a "
+        "length mask (it reads/writes the padding too); gather_only: the gather alone.",
+        "mixed: one paged call (4 x 2K first prompts + 60 decode rows) vs SDPA causal prefill "
+        "on the prompts + gather + SDPA on the decode rows (the prompts' rotary/append excluded "
+        "from SDPA's side).",
+        "timing: CUDA-graph replay medians (benchmarks/_harness.bench), one input set per shape.",
+    ]
+    rows: list[dict] = []
+    t0 = time.time()
+    for name, fn in (("decode", lambda: decode(rows, ceil["copy_TBps"])),
+                     ("mixed", lambda: mixed(rows, ceil["copy_TBps"]))):  # fmt: skip
+        if name not in args.sections.split(","):
+            continue
+        print(f"== {name} ({time.time() - t0:.0f}s)", flush=True)
+        fn()
+        write_results("paged", meta, rows, notes=notes, out_dir=args.out)
+    print(f"done in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
