@@ -94,3 +94,23 @@ def test_describe_gates(monkeypatch):
     assert d["triton"] == (False, "triton gate says no")
     assert d["chunked"][0] is False and "LONGATTN_DISABLE_CHUNKED" in d["chunked"][1]
     assert d["reference"][0]
+
+
+def test_eager_fast_path_only_for_plain_eager_calls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longattn._common import eager_fast_path
+
+    x = torch.randn(3)
+    assert eager_fast_path((x, 1, "a"))
+    assert not eager_fast_path((torch.randn(3, requires_grad=True),))
+    with FakeTensorMode() as mode:
+        assert not eager_fast_path((mode.from_tensor(x),))
+    seen = []
+
+    def f(t):
+        seen.append(eager_fast_path((t,)))
+        return t + 1
+
+    torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert seen == [False]

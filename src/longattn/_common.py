@@ -91,3 +91,28 @@ def data_checks_allowed(t: torch.Tensor) -> bool:
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round ``x`` once to ``dtype`` (round to nearest even) and return it in ``x``'s dtype."""
     return x.to(dtype).to(x.dtype)
+
+
+def eager_fast_path(args) -> bool:
+    """True when a public op may call its implementation directly instead of going through the
+    ``torch.library`` dispatcher (which costs tens of microseconds of host time per call in
+    eager mode: it dominates small decode steps).
+
+    Only plain eager calls qualify: not while torch.compile traces (the custom op must appear in
+    the graph), not under a torch_function / torch_dispatch mode (FakeTensorMode, tracing,
+    profiling modes), not for tensor subclasses and not when an input requires grad (the op's
+    autograd registration then raises its clear error).
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.requires_grad):
+            return False
+    return True
+
+
+def call_op(op, impl, *args):
+    """``impl(*args)`` on the plain-eager fast path, else the custom op ``op(*args)``."""
+    return impl(*args) if eager_fast_path(args) else op(*args)

@@ -8,7 +8,7 @@ import operator
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, check_positive_int, check_tensor, data_checks_allowed
+from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
 from ._params import GQAParams
 from .chunked import gqa_chunked
 from .reference import gqa_reference
@@ -86,10 +86,7 @@ def _head_size(query, key, num_heads, kv_num_heads) -> int:
     return query.shape[-1] // num_heads
 
 
-@torch.library.custom_op(
-    "longattn::group_query_attention", mutates_args=("present_key", "present_value")
-)
-def _gqa_op(
+def _gqa_op_impl(
     query: torch.Tensor,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
@@ -141,6 +138,11 @@ def _gqa_op(
         v_scale=v_scale,
     )
     return _run(query, key, value, present_key, present_value, seqlens_k, p, backend)
+
+
+_gqa_op = torch.library.custom_op(
+    "longattn::group_query_attention", mutates_args=("present_key", "present_value")
+)(_gqa_op_impl)
 
 
 @_gqa_op.register_fake
@@ -498,7 +500,9 @@ def group_query_attention(
         if past_cap:
             present_key[:, :, :past_cap].copy_(past_key)
             present_value[:, :, :past_cap].copy_(past_value)
-    output = _gqa_op(
+    output = call_op(
+        _gqa_op,
+        _gqa_op_impl,
         query,
         key,
         value,

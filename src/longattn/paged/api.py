@@ -7,7 +7,7 @@ import math
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, check_positive_int, check_tensor, data_checks_allowed
+from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
 from . import _validate
 from ._params import PagedParams
 from .chunked import paged_attention_chunked
@@ -69,8 +69,7 @@ def _run(query, key, value, key_cache, value_cache, cu, past, table, p: PagedPar
     return paged_attention_reference(*args)
 
 
-@torch.library.custom_op("longattn::paged_attention", mutates_args=("key_cache", "value_cache"))
-def _paged_attention_op(
+def _paged_attention_op_impl(
     query: torch.Tensor,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
@@ -118,6 +117,11 @@ def _paged_attention_op(
     )
     return _run(query, key, value, key_cache, value_cache, cumulative_sequence_length,
                 past_seqlens, block_table, p, backend)  # fmt: skip
+
+
+_paged_attention_op = torch.library.custom_op(
+    "longattn::paged_attention", mutates_args=("key_cache", "value_cache")
+)(_paged_attention_op_impl)
 
 
 @_paged_attention_op.register_fake
@@ -324,7 +328,7 @@ def paged_attention(
                     tokens=query.shape[0], block_size=key_cache.shape[1],
                     num_blocks=key_cache.shape[0], cos_cache=cos_cache,
                     do_rotary=do_rotary)  # fmt: skip
-    return _paged_attention_op(
+    return call_op(_paged_attention_op, _paged_attention_op_impl,
         query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
         block_table, cos_cache if do_rotary else None, sin_cache if do_rotary else None,
         head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, num_heads, kv_num_heads,

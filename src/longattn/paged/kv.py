@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _attention_torch as at
-from .._common import FLOAT_DTYPES, check_positive_int, check_tensor, data_checks_allowed
+from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
 from . import _slots, _validate
 
 # ---------------------------------------------------------------------------------------------
@@ -61,8 +61,7 @@ def compute_slot_mapping(
 # reshape_and_cache.
 
 
-@torch.library.custom_op("longattn::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
-def _reshape_and_cache_op(
+def _reshape_and_cache_op_impl(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
@@ -81,6 +80,11 @@ def _reshape_and_cache_op(
         x = x.reshape(x.shape[0], kv, h).to(dt)  # [tokens, KV, H]
         rows = at.to_cache(x, cache.dtype, scale, kv_axis=-2)
         _slots.write_slots(_slots.flat_view(cache), slot, valid, rows)
+
+
+_reshape_and_cache_op = torch.library.custom_op(
+    "longattn::reshape_and_cache", mutates_args=("key_cache", "value_cache")
+)(_reshape_and_cache_op_impl)
 
 
 @_reshape_and_cache_op.register_fake
@@ -139,15 +143,24 @@ def reshape_and_cache(
     _validate.check_scales(k_scale, v_scale, key_cache.dtype, kv, h, dev)
     if validate and data_checks_allowed(slot_mapping):
         _validate.check_slot_mapping_data(slot_mapping, nb, bs)
-    _reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    call_op(
+        _reshape_and_cache_op,
+        _reshape_and_cache_op_impl,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # gather_paged_kv.
 
 
-@torch.library.custom_op("longattn::gather_paged_kv", mutates_args=())
-def _gather_paged_kv_op(
+def _gather_paged_kv_op_impl(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -174,6 +187,11 @@ def _gather_paged_kv_op(
             rows = rows.repeat_interleave(num_heads // kv, dim=1)  # [total, N, H]
         outs.append(rows.contiguous())
     return outs[0], outs[1]
+
+
+_gather_paged_kv_op = torch.library.custom_op("longattn::gather_paged_kv", mutates_args=())(
+    _gather_paged_kv_op_impl
+)
 
 
 @_gather_paged_kv_op.register_fake
@@ -247,5 +265,5 @@ def gather_paged_kv(
             raise ValueError(f"seqlens must be >= 0, got {lens.tolist()}")
         _validate.check_table_data(lens, block_table.cpu(), block_size=bs, num_blocks=nb,
                                    lengths="seqlens[{b}]")  # fmt: skip
-    return _gather_paged_kv_op(key_cache, value_cache, block_table, seqlens, int(total_tokens),
+    return call_op(_gather_paged_kv_op, _gather_paged_kv_op_impl, key_cache, value_cache, block_table, seqlens, int(total_tokens),
                                num_heads, k_scale, v_scale, out_dtype)  # fmt: skip

@@ -7,6 +7,7 @@ import torch
 from .. import _cascade
 from .._common import (
     FLOAT_DTYPES,
+    call_op,
     check_out_dtype,
     check_positive_int,
     check_tensor,
@@ -83,8 +84,7 @@ def _run(
     )
 
 
-@torch.library.custom_op("longattn::rms_norm_rotary", mutates_args=())
-def _rms_norm_rotary_op(
+def _rms_norm_rotary_op_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     cos_cache: torch.Tensor,
@@ -112,6 +112,11 @@ def _rms_norm_rotary_op(
         exact,
         backend,
     )
+
+
+_rms_norm_rotary_op = torch.library.custom_op("longattn::rms_norm_rotary", mutates_args=())(
+    _rms_norm_rotary_op_impl
+)
 
 
 @_rms_norm_rotary_op.register_fake
@@ -221,7 +226,9 @@ def rms_norm_rotary(
     _, out_dtype = validate(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
-    return _rms_norm_rotary_op(
+    return call_op(
+        _rms_norm_rotary_op,
+        _rms_norm_rotary_op_impl,
         x,
         weight,
         cos_cache,

@@ -9,7 +9,7 @@ import torch
 
 from .. import _cascade
 from .._attention_torch import contiguous_positions
-from .._common import FLOAT_DTYPES, check_positive_int, check_tensor, data_checks_allowed
+from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
 from ._params import DSAParams
 from .chunked import dsa_chunked
 from .reference import dsa_reference
@@ -66,10 +66,7 @@ def _run(
     return fn(query, key, value, present_key, present_value, aux_k, aux_v, sel, cnt, seqlens_k, p)
 
 
-@torch.library.custom_op(
-    "longattn::dynamic_sparse_attention", mutates_args=("present_key", "present_value")
-)
-def _dsa_op(
+def _dsa_op_impl(
     query: torch.Tensor,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
@@ -146,6 +143,11 @@ def _dsa_op(
         p,
         backend,
     )
+
+
+_dsa_op = torch.library.custom_op(
+    "longattn::dynamic_sparse_attention", mutates_args=("present_key", "present_value")
+)(_dsa_op_impl)
 
 
 @_dsa_op.register_fake
@@ -574,7 +576,9 @@ def dynamic_sparse_attention(
                 local_window_size=local_window_size,
             )
 
-    out = _dsa_op(
+    out = call_op(
+        _dsa_op,
+        _dsa_op_impl,
         query,
         key,
         value,

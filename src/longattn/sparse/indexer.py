@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, check_positive_int, check_tensor, data_checks_allowed
+from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
 from .._rotary import apply_rotary, rms_norm
 from .chunked import indexer_chunked
 from .reference import indexer_reference
@@ -281,8 +281,7 @@ def _run(
     return indexer_reference(index_query, index_block_keys, seqlens_k, **kw)
 
 
-@torch.library.custom_op("longattn::sparse_attention_indexer", mutates_args=())
-def _indexer_op(
+def _indexer_op_impl(
     index_query: torch.Tensor,
     index_block_keys: torch.Tensor,
     seqlens_k: torch.Tensor,
@@ -304,6 +303,11 @@ def _indexer_op(
         is_first_prompt,
         backend,
     )
+
+
+_indexer_op = torch.library.custom_op("longattn::sparse_attention_indexer", mutates_args=())(
+    _indexer_op_impl
+)
 
 
 @_indexer_op.register_fake
@@ -405,6 +409,16 @@ def sparse_attention_indexer(
                 f"blocks of {r}); got min {int(seqlens_k.min())} max {longest - 1}"
             )
     first = total_sequence_length is not None and s == total_sequence_length
-    return _indexer_op(
-        index_query, index_block_keys, seqlens_k, dq // di, r, budget, float(scale), first, backend
+    return call_op(
+        _indexer_op,
+        _indexer_op_impl,
+        index_query,
+        index_block_keys,
+        seqlens_k,
+        dq // di,
+        r,
+        budget,
+        float(scale),
+        first,
+        backend,
     )
