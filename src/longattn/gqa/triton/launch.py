@@ -11,36 +11,23 @@ activations use exact fp32 dots (``input_precision="ieee"``), never tf32.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
-import triton.language as tl
 
+from ..._triton_utils import TL_DTYPES as _TL_DTYPES
+from ..._triton_utils import interpret as _interpret
+from ..._triton_utils import num_sms as _num_sms
 from .._params import GQAParams
 from ._core import LOG2E
 from .decode import decode_config, gqa_decode_split_kernel, gqa_merge_kernel
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 DECODE_MAX_ROWS = 64  # S * group up to this runs on the split-K decode kernel
 SUPPORTED_HEADS = (16, 32, 64, 128, 256)  # power-of-two head sizes (tests use 16/32)
 
 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if _interpret() or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:

@@ -16,40 +16,22 @@ activations use exact fp32 dots (``input_precision="ieee"``).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
-import triton.language as tl
 
+from ..._triton_utils import TL_DTYPES as _TL_DTYPES
+from ..._triton_utils import device_sms as _device_sms
+from ..._triton_utils import interpret as _interpret
 from ...gqa.triton._core import LOG2E
 from ...gqa.triton.prefill import prefill_config
 from .._params import PagedParams
 from .attention import paged_attn_kernel, paged_merge_kernel
 from .prologue import paged_prologue_kernel
 
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 SUPPORTED_HEADS = (16, 32, 64, 128, 256)  # power-of-two head sizes
 WAVES = 4  # programs per SM the split budget aims for
 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if _interpret() or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _device_sms(t: torch.Tensor) -> int:
-    index = (t.device.index or 0) if t.device.type == "cuda" else 0
-    return _num_sms(index)
 
 
 def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:

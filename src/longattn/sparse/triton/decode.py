@@ -30,14 +30,13 @@ upcast to fp32 (exact ``ieee`` dot). P is rounded to the V tile's 16-bit dtype f
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
+from ..._triton_utils import interpret as _interpret
+from ..._triton_utils import num_sms as _num_sms
 from .._params import DSAParams
 
 LOG2E = 1.4426950408889634
@@ -46,17 +45,6 @@ MAX_SPLITS = 128  # bound on splits per (row, KV head) (the merge loops over the
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    if _interpret() or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,30 @@
+"""Host-side helpers shared by every op's Triton launcher (imports triton: load lazily)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+
+from ._cascade import interpreter_active
+
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def interpret() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels take their interpreter-safe loop forms)."""
+    return interpreter_active()
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Multiprocessor count of a CUDA device (4 under the interpreter / without CUDA)."""
+    if interpret() or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    index = (t.device.index or 0) if t.device.type == "cuda" else 0
+    return num_sms(index)
