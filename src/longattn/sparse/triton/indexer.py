@@ -1,4 +1,4 @@
-"""Triton SparseAttentionIndexer: block scores in one kernel, then top-k and emission in torch.
+"""Triton SparseAttentionIndexer: block scores in one kernel, top-k + emission in a second one.
 
 ``indexer_score_kernel`` grid: (cdiv(NB, BLOCK_B), cdiv(S, BLOCK_S), B). A program loads one
 ``[BLOCK_B, DI]`` tile of block keys (fp32) once and scores it against the indexer query rows
@@ -8,13 +8,17 @@
     score[s, c] = scale * sum_h relu(D[(s, h), c])  (the head sum as a 0/1 matrix dot, fp32)
 
 Blocks that are not complete and visible to the row (``c >= (qpos + 1) // r``; padding rows:
-all) get ``-inf``. The kernel writes one **sort key** per (row, block), int64:
-``ordered_bits(score) << 32 | (NB - 1 - c)``, where ``ordered_bits`` maps fp32 to int32
-monotonically (``-0.0`` is first turned into ``+0.0``). Keys are distinct, and a larger key is a
-higher score or, at equal scores, a lower block index: ``torch.topk`` over the keys
-(``[B*S, NB]``, O(rows x T/r), small) therefore reproduces the reference's stable descending
-sort exactly (ties: lower block index wins). The chosen blocks are then re-sorted ascending and
-expanded to token positions by the shared ``emit_selection`` (sync-free torch).
+all) get ``-inf``; ``-0.0`` becomes ``+0.0``. The kernel writes either
+
+- the fp32 scores ``[B*S, NB]`` (``OUT_KEYS=False``), which ``select.indexer_select_kernel``
+  turns into ``selected_indices`` / ``selected_counts`` in one more launch (radix top-k with the
+  reference's tie rule + emission; rows of up to ``select.MAX_BLOCKS`` blocks); or
+- (``OUT_KEYS=True``, the fallback beyond that) one int64 **sort key** per (row, block):
+  ``ordered_bits(score) << 32 | (NB - 1 - c)``, where ``ordered_bits`` maps fp32 to int32
+  monotonically. Keys are distinct, and a larger key is a higher score or, at equal scores, a
+  lower block index: ``torch.topk`` over the keys reproduces the reference's stable descending
+  sort exactly; the chosen blocks are re-sorted ascending and expanded to token positions by the
+  shared ``emit_selection`` (sync-free torch, ~15 small kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._shared import emit_selection, indexer_rows
+from .select import MAX_BLOCKS, indexer_select
 
 _empty = torch.empty  # buffers of this tier (tests poison them)
 
@@ -39,7 +44,7 @@ def indexer_score_kernel(
     q_ptr,  # [B, S, NI * DI] float, last dim contiguous
     k_ptr,  # [B, NB, DI] float block keys, last dim contiguous
     seqlens_ptr,  # [B] int32, total_len - 1
-    key_ptr,  # [B*S, NB] int64 sort keys (out)
+    out_ptr,  # [B*S, NB] out: int64 sort keys (OUT_KEYS) or fp32 scores
     seq_len,
     num_blocks,
     stride_qb,
@@ -57,6 +62,7 @@ def indexer_score_kernel(
     BLOCK_R: tl.constexpr,  # (row, head) pairs per dot
     BLOCK_D: tl.constexpr,  # channels per dot step
     IS_FIRST_PROMPT: tl.constexpr,
+    OUT_KEYS: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK_S
@@ -99,13 +105,16 @@ def indexer_score_kernel(
     visible = offs_c[None, :].to(tl.int64) < n_complete[:, None]  # [BLOCK_S, BLOCK_B]
     score = acc * scale + 0.0  # + 0.0 turns -0.0 into +0.0 (equal scores, equal keys)
     score = tl.where(visible, score, float("-inf"))
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the fp32 value
-    tie = (num_blocks - 1 - offs_c).to(tl.int64)  # lower block -> larger key
-    key = (ordered.to(tl.int64) << 32) | tie[None, :]
     out_rows = (b * seq_len + srow).to(tl.int64)
-    dst = key_ptr + out_rows[:, None] * num_blocks + offs_c[None, :]
-    tl.store(dst, key, mask=(srow < seq_len)[:, None] & mask_c[None, :])
+    dst = out_ptr + out_rows[:, None] * num_blocks + offs_c[None, :]
+    if OUT_KEYS:
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the fp32 value
+        tie = (num_blocks - 1 - offs_c).to(tl.int64)  # lower block -> larger key
+        val = (ordered.to(tl.int64) << 32) | tie[None, :]  # the sort key
+    else:
+        val = score
+    tl.store(dst, val, mask=(srow < seq_len)[:, None] & mask_c[None, :])
 
 
 def score_config(di: int, interpret: bool) -> dict:
@@ -115,14 +124,14 @@ def score_config(di: int, interpret: bool) -> dict:
     return dict(BLOCK_B=64, BLOCK_R=32, BLOCK_D=32, num_warps=4)
 
 
-def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
-                      scale, is_first_prompt, cfg=None) -> torch.Tensor:  # fmt: skip
-    """The kernel's int64 sort keys ``[B*S, NB]`` (see the module docstring)."""
+def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
+                  scale, is_first_prompt, out_keys, cfg=None) -> torch.Tensor:  # fmt: skip
     b, s, dq = index_query.shape
     nb, di = index_block_keys.shape[1:]
-    keys = _empty((b * s, nb), dtype=torch.int64, device=index_query.device)
-    if keys.numel() == 0:
-        return keys
+    dtype = torch.int64 if out_keys else torch.float32
+    out = _empty((b * s, nb), dtype=dtype, device=index_query.device)
+    if out.numel() == 0:
+        return out
     cfg = dict(cfg or score_config(di, _interpret()))
     block_s = 16
     grid = (triton.cdiv(nb, cfg["BLOCK_B"]), triton.cdiv(s, block_s), b)
@@ -130,7 +139,7 @@ def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_hea
         q_ptr=index_query,
         k_ptr=index_block_keys,
         seqlens_ptr=seqlens_k,
-        key_ptr=keys,
+        out_ptr=out,
         seq_len=s,
         num_blocks=nb,
         stride_qb=index_query.stride(0),
@@ -145,9 +154,31 @@ def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_hea
         BLOCK_S=block_s,
         S_TILE=min(block_s, s),
         IS_FIRST_PROMPT=is_first_prompt,
+        OUT_KEYS=out_keys,
         **cfg,
     )
-    return keys
+    return out
+
+
+def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
+                      scale, is_first_prompt, cfg=None) -> torch.Tensor:  # fmt: skip
+    """The kernel's int64 sort keys ``[B*S, NB]`` (see the module docstring)."""
+    return _score_launch(index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+                         compress_ratio=compress_ratio, scale=scale,
+                         is_first_prompt=is_first_prompt, out_keys=True, cfg=cfg)  # fmt: skip
+
+
+def indexer_scores(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
+                   scale, is_first_prompt, cfg=None) -> torch.Tensor:  # fmt: skip
+    """The kernel's fp32 block scores ``[B*S, NB]`` (``-inf`` where not visible)."""
+    return _score_launch(index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+                         compress_ratio=compress_ratio, scale=scale,
+                         is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg)  # fmt: skip
+
+
+def select_supported(num_blocks: int) -> bool:
+    """Whether ``select.indexer_select_kernel`` holds a row of ``num_blocks`` blocks."""
+    return max(16, triton.next_power_of_2(max(num_blocks, 1))) <= MAX_BLOCKS
 
 
 def indexer_triton(
@@ -161,27 +192,39 @@ def indexer_triton(
     scale: float,
     is_first_prompt: bool,
     cfg: dict | None = None,
+    fused_select: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton SparseAttentionIndexer tier; same selection as the reference, no host sync.
 
     index_query ``[B, S, NI*DI]`` float; index_block_keys ``[B, NB, DI]`` float (read in fp32);
     seqlens_k ``[B]`` int32. Returns ``selected_indices [B*S, token_budget + r - 1]`` int32 and
     ``selected_counts [B*S]`` int32 (layout of ``emit_selection``).
+
+    Two launches (scores, then ``select.indexer_select_kernel``) when the rows fit the select
+    kernel (``NB <= select.MAX_BLOCKS``) and ``fused_select``; otherwise the score kernel's sort
+    keys + torch top-k + ``emit_selection``.
     """
     s = index_query.shape[1]
     nb = index_block_keys.shape[1]
     r = compress_ratio
-    rows = indexer_rows(seqlens_k, s, is_first_prompt, r, nb)
     kb = token_budget // r
+    kw = dict(num_index_heads=num_index_heads, compress_ratio=r, scale=scale,
+              is_first_prompt=is_first_prompt, cfg=cfg)  # fmt: skip
+    if fused_select and select_supported(nb):
+        scores = None
+        if kb > 0 and nb > 0:
+            scores = indexer_scores(index_query, index_block_keys, seqlens_k, **kw)
+        return indexer_select(scores, seqlens_k, seq_len=s, num_blocks=nb, compress_ratio=r,
+                              token_budget=token_budget, is_first_prompt=is_first_prompt,
+                              interpret=_interpret(), empty=_empty)  # fmt: skip
+    # fallback (rows of more than select.MAX_BLOCKS blocks): torch top-k over the sort keys
+    rows = indexer_rows(seqlens_k, s, is_first_prompt, r, nb)
     n_sel = torch.clamp(rows.n_complete, max=kb)
     n_rows = rows.qpos.shape[0]
     kk = min(kb, nb)
     blocks = torch.full((n_rows, kb), nb, dtype=torch.int64, device=index_query.device)
     if kk > 0 and n_rows > 0:
-        keys = indexer_sort_keys(
-            index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
-            compress_ratio=r, scale=scale, is_first_prompt=is_first_prompt, cfg=cfg,
-        )  # fmt: skip
+        keys = indexer_sort_keys(index_query, index_block_keys, seqlens_k, **kw)
         top = keys.topk(kk, dim=1, sorted=False).values  # [R, kk]: the kk largest keys
         ids = (nb - 1) - (top & 0xFFFFFFFF)  # block ids
         # visible blocks outrank invisible ones, so the top kk hold the n_sel chosen blocks

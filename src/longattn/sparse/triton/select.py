@@ -1,0 +1,207 @@
+"""Triton top-k block selection + emission of SparseAttentionIndexer: block scores -> positions.
+
+``indexer_select_kernel`` grid: (rows,), one program per query row ``row = b*S + s``. It takes the
+fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``selected_indices`` and
+``selected_counts`` exactly as the reference tier does (``emit_selection`` layout):
+
+1. Row geometry from ``seqlens_k`` (as ``indexer_rows``): ``qpos``, ``n_complete`` visible complete
+   blocks (0 for first-prompt padding rows), ``trail`` trailing tokens, ``k = min(kb, n_complete)``.
+2. The row's visible scores (``c < n_complete``) are loaded once into registers ``[NB_PAD]`` and
+   mapped to order-preserving int32 keys ``v >= 0`` (fp32 bits of a score >= +0.0; every NaN ->
+   ``0x7F800001``, above +inf, as ``torch.sort`` orders NaN; -0.0 -> +0.0). Invisible: ``v = -1``.
+3. Radix select of the k-th largest key, two bits per step (bits 30..1, then bit 0): each step
+   counts ``v >= lo + d * 2**shift`` for d = 1, 2, 3 in ONE packed int64 reduction (the three
+   counts in 20-bit fields) and keeps the largest threshold still holding >= k keys. It stops
+   early as soon as exactly k keys are ``>= lo`` (random scores: after about half the steps).
+4. Chosen: every key ``> lo``, then keys ``== lo`` in ascending block order until k are chosen
+   (ties: lower block index wins, the reference's stable sort). An inclusive cumsum over the
+   chosen flags gives each chosen block its slot in ascending block order; the block ids go to a
+   per-row scratch row ``[kb]`` int32 (then a CTA barrier).
+5. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``scratch[j // r] * r + j % r``; then the
+   trailing block's ``trail`` positions ``n_complete*r + t``; then -1. ``count = k*r + trail``.
+
+No host sync, grid from shapes only. Rows hold up to ``MAX_BLOCKS`` blocks in registers; beyond
+that the caller keeps the torch top-k path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
+_NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
+
+
+@triton.jit
+def _order_keys(score, visible):
+    """fp32 scores ``>= +0.0`` (or NaN) -> order-preserving int32 keys ``>= 0``; invisible: -1."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, 0, bits)  # -0.0 (and the impossible negatives) -> +0.0
+    key = tl.where(score != score, _NAN_KEY, key)
+    return tl.where(visible, key, -1)
+
+
+@triton.jit
+def _kth_largest(v, k, n_ge):
+    """Radix select over the keys ``v [NB_PAD]`` (int32, >= 0 where counted, -1 elsewhere);
+    ``n_ge``: how many keys are counted (``#(v >= 0)``).
+
+    Returns ``(lo, n_ge)``: ``n_ge = #(v >= lo) >= k`` and either ``n_ge == k`` (the top k are
+    exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
+    lo = tl.full([], 0, tl.int32)
+    shift = tl.full([], 29, tl.int32)
+    # invariant: #(v >= lo) >= k and #(v >= lo + 4 * 2**shift) < k (keys < 2**31)
+    while (n_ge > k) & (shift >= 0):
+        step = 1 << shift
+        t1 = lo + step
+        t2 = t1 + step
+        t3 = t2 + step  # no overflow: lo + 3 * 2**shift <= max key + 3 < 2**31
+        packed = (v >= t1).to(tl.int64)
+        packed = packed | ((v >= t2).to(tl.int64) << 20) | ((v >= t3).to(tl.int64) << 40)
+        total = tl.sum(packed)  # [3 x 20-bit counts], each <= MAX_BLOCKS < 2**20
+        c1 = (total & 0xFFFFF).to(tl.int32)
+        c2 = ((total >> 20) & 0xFFFFF).to(tl.int32)
+        c3 = ((total >> 40) & 0xFFFFF).to(tl.int32)
+        lo = tl.where(c3 >= k, t3, tl.where(c2 >= k, t2, tl.where(c1 >= k, t1, lo)))
+        n_ge = tl.where(c3 >= k, c3, tl.where(c2 >= k, c2, tl.where(c1 >= k, c1, n_ge)))
+        # shifts 29, 27, ..., 3, 1 fix bits 30..1; shift 0 fixes bit 0 (t2, t3 fail there)
+        shift = tl.where(shift > 1, shift - 2, shift - 1)
+    return lo, n_ge
+
+
+@triton.jit
+def indexer_select_kernel(
+    score_ptr,  # [rows, NB] fp32 block scores (score kernel output), row stride stride_sr
+    seqlens_ptr,  # [B] int32, total_len - 1
+    scratch_ptr,  # [rows, max(kb, 1)] int32 workspace: chosen block ids, ascending
+    idx_ptr,  # [rows, max_selected] int32 out: selected_indices
+    cnt_ptr,  # [rows] int32 out: selected_counts
+    seq_len,
+    num_blocks,
+    stride_sr,
+    compress_ratio,
+    kb,  # token_budget // r
+    scratch_stride,
+    max_selected,
+    NB_PAD: tl.constexpr,  # next power of two >= num_blocks
+    BLOCK_O: tl.constexpr,  # output positions per emission tile
+    IS_FIRST_PROMPT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq_len
+    s = row % seq_len
+    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
+    if IS_FIRST_PROMPT:
+        qpos = s
+    else:
+        qpos = total_len - seq_len + s
+    real = (qpos >= 0) & (qpos < total_len)
+    n_vis = tl.where(real, qpos + 1, 0)  # tokens at positions <= qpos
+    n_complete = tl.minimum(n_vis // compress_ratio, num_blocks)
+    trail = tl.minimum(n_vis - n_complete * compress_ratio, compress_ratio - 1).to(tl.int32)
+    n_complete = n_complete.to(tl.int32)
+    k = tl.minimum(n_complete, kb)  # blocks to choose (int32 scalar)
+
+    # --- select: the k best visible blocks, ties to the lower index
+    offs_c = tl.arange(0, NB_PAD)  # [NB_PAD] block ids
+    visible = (offs_c < n_complete) & (k > 0)
+    score = tl.load(score_ptr + row * stride_sr + offs_c, mask=visible, other=0.0)  # [NB_PAD]
+    v = _order_keys(score, visible)  # [NB_PAD] int32
+    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0))
+    eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
+    eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
+    n_eq = tl.sum(eq.to(tl.int32))
+    need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
+    chosen = ((v > lo) | (eq & (eq_rank <= need))) & (k > 0)  # [NB_PAD], k of them
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
+    scratch_row = scratch_ptr + row * scratch_stride
+    tl.store(scratch_row + slot, offs_c, mask=chosen)
+    tl.debug_barrier()  # the scratch row is read back by other threads of this program
+
+    # --- emission: chosen blocks' positions, trailing tokens, -1
+    r = compress_ratio
+    n_sel_tok = k * r
+    tail_base = n_complete * r
+    out_row = idx_ptr + row * max_selected
+    j0 = tl.zeros([], tl.int32)
+    while j0 < max_selected:  # a while loop: the interpreter takes no tensor range() bounds
+        j = j0 + tl.arange(0, BLOCK_O)  # [BLOCK_O] output slots
+        in_row = j < max_selected
+        sl = j // r
+        in_sel = j < n_sel_tok
+        blk = tl.load(scratch_row + sl, mask=in_sel & in_row, other=0, cache_modifier=".cg")
+        t = j - n_sel_tok
+        val = tl.where(in_sel, blk * r + (j - sl * r), tl.where(t < trail, tail_base + t, -1))
+        tl.store(out_row + j, val, mask=in_row)
+        j0 += BLOCK_O
+    tl.store(cnt_ptr + row, n_sel_tok + trail)
+
+
+def select_num_warps(nb_pad: int) -> int:
+    if nb_pad <= 1024:
+        return 4
+    return 8 if nb_pad <= 4096 else 16
+
+
+def indexer_select(
+    scores: torch.Tensor | None,
+    seqlens_k: torch.Tensor,
+    *,
+    seq_len: int,
+    num_blocks: int,
+    compress_ratio: int,
+    token_budget: int,
+    is_first_prompt: bool,
+    interpret: bool = False,
+    empty=torch.empty,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k blocks + emission from block scores, in one kernel.
+
+    Args:
+        scores: ``[B*S, num_blocks]`` fp32 block scores (``>= 0`` or NaN where visible; other
+            entries are never read); None when no block can be chosen (``token_budget <
+            compress_ratio`` or ``num_blocks == 0``).
+        seqlens_k: ``[B]`` int32, total length minus one.
+        empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
+
+    Returns:
+        ``selected_indices [B*S, token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32.
+    """
+    r = compress_ratio
+    kb = token_budget // r
+    rows = seqlens_k.shape[0] * seq_len
+    max_selected = token_budget + r - 1
+    dev = seqlens_k.device
+    nb_pad = max(16, triton.next_power_of_2(max(num_blocks, 1)))
+    if nb_pad > MAX_BLOCKS:
+        raise ValueError(f"indexer_select supports up to {MAX_BLOCKS} blocks, got {num_blocks}")
+    idx = empty((rows, max_selected), dtype=torch.int32, device=dev)
+    cnt = empty((rows,), dtype=torch.int32, device=dev)
+    if rows == 0:
+        return idx, cnt
+    scratch = empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
+    if scores is None or kb == 0 or num_blocks == 0:  # k = 0: no score is read
+        scores, kb, stride = torch.zeros(1, dtype=torch.float32, device=dev), 0, 0
+    else:
+        stride = scores.stride(0)
+    indexer_select_kernel[(rows,)](
+        score_ptr=scores,
+        seqlens_ptr=seqlens_k,
+        scratch_ptr=scratch,
+        idx_ptr=idx,
+        cnt_ptr=cnt,
+        seq_len=seq_len,
+        num_blocks=num_blocks,
+        stride_sr=stride,
+        compress_ratio=r,
+        kb=kb,
+        scratch_stride=scratch.stride(0),
+        max_selected=max_selected,
+        NB_PAD=nb_pad,
+        BLOCK_O=256 if interpret else 1024,
+        IS_FIRST_PROMPT=is_first_prompt,
+        num_warps=select_num_warps(nb_pad),
+    )
+    return idx, cnt

@@ -1,0 +1,239 @@
+"""Triton top-k + emission kernel of SparseAttentionIndexer (``sparse/triton/select.py``).
+
+Truth: the reference tier's selection rule (stable descending sort, ties to the lower block,
+``emit_selection``), applied here to the same fp32 scores (``select_from_scores``), so the
+kernel is checked exactly and apart from score rounding; end to end, the triton tier must equal
+``backend="reference"`` on integer-valued data (exact fp32 scores, many exact ties). Outputs
+are NaN/int-min poisoned before the call.
+
+``-m interpret``: tiny shapes (CPU, TRITON_INTERPRET=1). ``-m gpu``: T = 64K / 256K.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longattn.sparse import sparse_attention_indexer
+from longattn.sparse._shared import emit_selection, indexer_rows
+from longattn.sparse.triton import indexer, select
+from longattn.testing import nan_tensor
+
+interpret = pytest.mark.interpret
+gpu = pytest.mark.gpu
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison_buffers(monkeypatch):
+    def poisoned(shape, *, dtype, device):
+        return nan_tensor(shape, dtype, device)
+
+    monkeypatch.setattr(indexer, "_empty", poisoned)
+
+
+def select_from_scores(scores, seqlens_k, *, s, r, budget, first):
+    """The reference tier's selection, from given scores ``[B*S, NB]``."""
+    nb = scores.shape[1]
+    rows = indexer_rows(seqlens_k, s, first, r, nb)
+    vis = torch.arange(nb, device=scores.device)[None, :] < rows.n_complete[:, None]
+    scores = torch.where(vis, scores, float("-inf"))
+    kb = budget // r
+    n_sel = torch.clamp(rows.n_complete, max=kb)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :kb]
+    if order.shape[1] < kb:
+        order = torch.cat((order, order.new_full((order.shape[0], kb - order.shape[1]), nb)), 1)
+    ok = torch.arange(kb, device=scores.device)[None, :] < n_sel[:, None]
+    blocks = torch.where(ok, order, nb).sort(-1).values
+    return emit_selection(blocks, n_sel, rows, compress_ratio=r, max_selected=budget + r - 1)
+
+
+def run_select(scores, sk, *, s, r, budget, first):
+    return select.indexer_select(
+        scores, sk, seq_len=s, num_blocks=scores.shape[1], compress_ratio=r,
+        token_budget=budget, is_first_prompt=first, interpret=DEV == "cpu",
+        empty=lambda shape, *, dtype, device: nan_tensor(shape, dtype, device),
+    )  # fmt: skip
+
+
+def check_select(scores, sk, *, s, r, budget, first=False):
+    got = run_select(scores, sk, s=s, r=r, budget=budget, first=first)
+    want = select_from_scores(scores, sk, s=s, r=r, budget=budget, first=first)
+    assert got[0].dtype == torch.int32 and got[1].dtype == torch.int32
+    assert torch.equal(got[1], want[1]), f"counts differ: {got[1]} vs {want[1]}"
+    assert torch.equal(got[0], want[0]), "selections differ"
+    return got
+
+
+def _scores(gen, rows, nb, kind):
+    if kind == "ties":  # few distinct values: exact ties at the k-th place
+        sc = torch.randint(0, 4, (rows, nb), generator=gen).float() * 0.5
+    elif kind == "equal":
+        sc = torch.full((rows, nb), 0.75)
+    elif kind == "zeros":  # relu killed everything; -0.0 must tie with +0.0
+        sc = torch.where(torch.rand(rows, nb, generator=gen) < 0.5, 0.0, -0.0)
+    elif kind == "nan":  # NaN sorts above everything (torch.sort), ties among NaNs by index
+        sc = torch.rand(rows, nb, generator=gen) * 3
+        sc[torch.rand(rows, nb, generator=gen) < 0.1] = float("nan")
+        sc[torch.rand(rows, nb, generator=gen) < 0.05] = float("inf")
+    elif kind == "close":  # neighbours one ulp apart
+        base = torch.full((rows, nb), 1.0)
+        sc = torch.nextafter(base, torch.tensor(2.0)) * (torch.rand(rows, nb, generator=gen) < 0.5)
+        sc = torch.where(sc == 0, base, sc)
+    else:  # continuous, wide range
+        sc = torch.rand(rows, nb, generator=gen) ** 3 * 1e3
+    return sc.to(DEV)
+
+
+_SELECT_GRID = [
+    # b, s, r, budget, seqlens, first
+    (2, 1, 8, 32, [100, 37], False),  # k = 4
+    (3, 2, 4, 40, [9, 2, 70], False),  # rows with fewer complete blocks than k, zero blocks
+    (1, 6, 16, 64, [95], False),  # S > 1 decode rows
+    (2, 7, 4, 12, [6, 3], True),  # first prompt: padding rows (count 0)
+    (1, 3, 1, 20, [40], False),  # r = 1
+    (2, 2, 8, 6, [30, 60], False),  # budget < r: trailing tokens only
+    (2, 1, 4, 400, [30, 70], False),  # budget > every block
+    (1, 1, 2, 130, [600], False),  # k = 65 > 64, NB padded to 512
+]
+
+
+@interpret
+@pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "nan", "close", "rand"])
+@pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
+def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind):
+    gen = torch.Generator().manual_seed(len(seqlens) * 31 + s * 7 + r + budget)
+    nb = max(seqlens) // r + 2
+    scores = _scores(gen, b * s, nb, kind)
+    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
+    check_select(scores, sk, s=s, r=r, budget=budget, first=first)
+
+
+@interpret
+def test_select_never_reads_invisible_scores():
+    """Invisible blocks' scores (NaN here, -inf from the score kernel) do not matter."""
+    gen = torch.Generator().manual_seed(5)
+    r, budget, sk = 4, 16, torch.tensor([21, 10, 2], dtype=torch.int32, device=DEV)
+    scores = _scores(gen, 3, 9, "ties")
+    want = run_select(scores, sk, s=1, r=r, budget=budget, first=False)
+    nc = torch.tensor([5, 2, 0], device=DEV)
+    poisoned = torch.where(torch.arange(9, device=DEV)[None, :] < nc[:, None], scores, torch.nan)
+    got = check_select(poisoned, sk, s=1, r=r, budget=budget)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].tolist() == [16 + 2, 8 + 3, 3]
+
+
+@interpret
+def test_select_no_blocks():
+    """num_blocks == 0 or budget < r: no score tensor at all, only trailing tokens."""
+    sk = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    idx, cnt = select.indexer_select(None, sk, seq_len=1, num_blocks=0, compress_ratio=4,
+                                     token_budget=8, is_first_prompt=False)  # fmt: skip
+    assert cnt.tolist() == [3, 1]
+    assert idx.tolist() == [[0, 1, 2] + [-1] * 8, [0] + [-1] * 10]
+
+
+def _int_case(seed, *, b, s, ni, di, nb, seqlens, lo=-2, hi=3):
+    """Integer-valued query/keys: every dot and head sum is exact in fp32 (and ties abound)."""
+    gen = torch.Generator().manual_seed(seed)
+    iq = torch.randint(lo, hi, (b, s, ni * di), generator=gen).float()
+    keys = torch.randint(lo, hi, (b, nb, di), generator=gen).float()
+    sk = torch.tensor(seqlens, dtype=torch.int32)
+    return iq.to(DEV), keys.to(DEV), sk.to(DEV)
+
+
+def check_indexer(iq, keys, sk, **kw):
+    got = sparse_attention_indexer(iq, keys, sk, backend="triton", **kw)
+    want = sparse_attention_indexer(iq, keys, sk, backend="reference", **kw)
+    assert torch.equal(got[1], want[1]), "counts differ"
+    assert torch.equal(got[0], want[0]), "selections differ"
+    return got
+
+
+_E2E_GRID = [
+    # b, s, ni, di, r, budget, seqlens, total_sequence_length
+    (2, 1, 4, 16, 8, 32, [100, 37], None),
+    (3, 4, 2, 16, 4, 24, [60, 3, 17], None),  # ragged: a row with no complete block
+    (1, 9, 3, 16, 16, 64, [200], None),  # S > 1 prefill-style rows
+    (2, 12, 2, 16, 4, 8, [11, 5], 12),  # first prompt with padding rows
+    (2, 3, 1, 32, 1, 5, [20, 9], None),  # r = 1
+]
+
+
+@interpret
+@pytest.mark.parametrize("b,s,ni,di,r,budget,seqlens,total", _E2E_GRID)
+def test_triton_tier_equals_reference(b, s, ni, di, r, budget, seqlens, total):
+    nb = max(seqlens) // r + 1
+    iq, keys, sk = _int_case(b + s + r, b=b, s=s, ni=ni, di=di, nb=nb, seqlens=seqlens)
+    check_indexer(iq, keys, sk, compress_ratio=r, token_budget=budget, scale=0.5,
+                  total_sequence_length=total)  # fmt: skip
+
+
+@interpret
+def test_triton_tier_all_scores_tie():
+    """Zero query: every score is 0 (relu of -0.0 / +0.0): the lowest blocks win."""
+    iq, keys, sk = _int_case(3, b=2, s=2, ni=2, di=16, nb=12, seqlens=[90, 41])
+    idx, cnt = check_indexer(iq * 0, keys, sk, compress_ratio=8, token_budget=24)
+    assert idx[0, :24].tolist() == list(range(24))
+
+
+@interpret
+def test_fallback_path_matches(monkeypatch):
+    """Rows beyond select.MAX_BLOCKS keep the torch top-k path; both paths agree."""
+    iq, keys, sk = _int_case(9, b=2, s=3, ni=2, di=16, nb=20, seqlens=[70, 33])
+    kw = dict(compress_ratio=4, token_budget=12, scale=0.5)
+    fused = check_indexer(iq, keys, sk, **kw)
+    monkeypatch.setattr(indexer, "MAX_BLOCKS", 16)  # 20 blocks pad to 32 > 16
+    assert not indexer.select_supported(20)
+    old = check_indexer(iq, keys, sk, **kw)
+    assert torch.equal(fused[0], old[0]) and torch.equal(fused[1], old[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real sizes (T = 64K / 256K, r = 64, budget 2048 -> k = 32; budget 8192 -> k = 128).
+
+
+@gpu
+@pytest.mark.parametrize("t", [65536, 262144])
+@pytest.mark.parametrize("b,s", [(1, 1), (4, 1), (2, 8)])
+@pytest.mark.parametrize("budget", [2048, 8192])
+def test_gpu_select_real_sizes(t, b, s, budget):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    r = 64
+    gen = torch.Generator().manual_seed(t + b + s)
+    seqlens = [t - 1, t // 3, 100, t - 64][:b]
+    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
+    nb = t // r + 1
+    for kind in ("rand", "ties", "nan", "equal"):
+        scores = _scores(gen, b * s, nb, kind)
+        check_select(scores, sk, s=s, r=r, budget=budget)
+
+
+@gpu
+@pytest.mark.parametrize("t", [65536, 262144])
+def test_gpu_indexer_real_sizes(t):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    r, budget = 64, 2048
+    seqlens = [t - 1, t // 3, 100, t - 64]
+    iq, keys, sk = _int_case(t, b=4, s=2, ni=16, di=128, nb=t // r + 1, seqlens=seqlens)
+    check_indexer(iq, keys, sk, compress_ratio=r, token_budget=budget, scale=0.125)
+    iq = iq.to(torch.bfloat16)  # integers: exact in bf16 too
+    check_indexer(iq, keys, sk, compress_ratio=r, token_budget=budget, scale=0.125)
+
+
+@gpu
+def test_gpu_indexer_cuda_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t, r, budget = 131072, 64, 2048
+    iq, keys, sk = _int_case(1, b=1, s=1, ni=16, di=128, nb=t // r + 1, seqlens=[t - 1])
+    kw = dict(compress_ratio=r, token_budget=budget, scale=0.125, backend="triton")
+    want = sparse_attention_indexer(iq, keys, sk, **kw)  # warm-up (compile) outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = sparse_attention_indexer(iq, keys, sk, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
