@@ -76,10 +76,9 @@ def _scores(gen, rows, nb, kind):
         sc = torch.rand(rows, nb, generator=gen) * 3
         sc[torch.rand(rows, nb, generator=gen) < 0.1] = float("nan")
         sc[torch.rand(rows, nb, generator=gen) < 0.05] = float("inf")
-    elif kind == "close":  # neighbours one ulp apart
-        base = torch.full((rows, nb), 1.0)
-        sc = torch.nextafter(base, torch.tensor(2.0)) * (torch.rand(rows, nb, generator=gen) < 0.5)
-        sc = torch.where(sc == 0, base, sc)
+    elif kind == "close":  # 1.0 plus 0..3 ulps: the keys differ in their lowest bits only
+        ulps = torch.randint(0, 4, (rows, nb), generator=gen, dtype=torch.int32)
+        sc = (torch.full((rows, nb), 1.0).view(torch.int32) + ulps).view(torch.float32)
     else:  # continuous, wide range
         sc = torch.rand(rows, nb, generator=gen) ** 3 * 1e3
     return sc.to(DEV)

@@ -117,7 +117,7 @@ def indexer_select_kernel(
     chosen = ((v > lo) | (eq & (eq_rank <= need))) & (k > 0)  # [NB_PAD], k of them
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     scratch_row = scratch_ptr + row * scratch_stride
-    tl.store(scratch_row + slot, offs_c, mask=chosen)
+    tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
