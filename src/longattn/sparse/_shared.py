@@ -193,3 +193,26 @@ def emit_selection(
         out.scatter_(1, cols, vals)
     counts = n_sel * r + rows.trail
     return out.to(torch.int32), counts.to(torch.int32)
+
+
+def prepare_dsa_candidates(query, key, value, present_key, present_value, auxiliary_key,
+                           auxiliary_value, selected_indices, selected_counts, seqlens_k,
+                           p: DSAParams):  # fmt: skip
+    """The torch tiers' common start: prologue + append (``prepare_dsa``), the V source of the
+    auxiliary cache, and each row's candidate segments. Returns
+    ``(q, qpos, total_len, dtype, aux_v, segments)``."""
+    q, qpos, total_len, dtype = prepare_dsa(
+        query, key, value, present_key, present_value, seqlens_k, p
+    )
+    aux_v = auxiliary_key if p.auxiliary_kv_shared else auxiliary_value
+    segments = dsa_candidates(
+        qpos,
+        total_len,
+        selected_indices,
+        selected_counts,
+        local_window=p.local_window_size if p.local else -1,
+        source="main" if p.selected_kv_source == "main" else "aux",
+        capacity=present_key.shape[2],
+        aux_len=0 if auxiliary_key is None else auxiliary_key.shape[2],
+    )
+    return q, qpos, total_len, dtype, aux_v, segments

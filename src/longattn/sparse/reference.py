@@ -12,12 +12,11 @@ import torch
 from .._attention_torch import compute_dtype_for, from_cache
 from ._params import DSAParams
 from ._shared import (
-    dsa_candidates,
     dsa_sink,
     emit_selection,
     gather_rows,
     indexer_rows,
-    prepare_dsa,
+    prepare_dsa_candidates,
 )
 
 
@@ -36,20 +35,10 @@ def dsa_reference(
 ) -> torch.Tensor:
     """See ``_params.py`` for the contract. Returns ``[B, S, N*H]`` in ``query``'s dtype."""
     b, s = query.shape[:2]
-    q, qpos, total_len, dtype = prepare_dsa(
-        query, key, value, present_key, present_value, seqlens_k, p
-    )
-    aux_v = auxiliary_key if p.auxiliary_kv_shared else auxiliary_value
-    segments = dsa_candidates(
-        qpos,
-        total_len,
-        selected_indices,
-        selected_counts,
-        local_window=p.local_window_size if p.local else -1,
-        source="main" if p.selected_kv_source == "main" else "aux",
-        capacity=present_key.shape[2],
-        aux_len=0 if auxiliary_key is None else auxiliary_key.shape[2],
-    )
+    q, qpos, total_len, dtype, aux_v, segments = prepare_dsa_candidates(
+        query, key, value, present_key, present_value, auxiliary_key, auxiliary_value,
+        selected_indices, selected_counts, seqlens_k, p,
+    )  # fmt: skip
     rows_b = torch.arange(b, device=query.device).repeat_interleave(s)
     ks, vs, oks = [], [], []
     for seg in segments:
