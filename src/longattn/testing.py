@@ -78,6 +78,9 @@ def rounding_floor(truth: torch.Tensor, dtype: torch.dtype) -> ErrorStats:
     return error_stats(t.to(dtype), t)
 
 
+FP32_MIN_K = 4.0
+
+
 def assert_close_to_fp64(
     actual: torch.Tensor,
     truth: torch.Tensor,
@@ -92,8 +95,16 @@ def assert_close_to_fp64(
     ``baseline`` is a same-precision PyTorch computation of the same quantity. The bound, for
     both the RMS and the max-abs error, is ``k * baseline_error + rounding(out_dtype)``, where the
     last term is the error of rounding ``truth`` once to the output dtype.
+
+    For fp32 outputs ``k`` is raised to at least ``FP32_MIN_K``: there both errors come from the
+    arithmetic of two fp32 pipelines with different reduction orders (the output rounding is
+    negligible), and on small outputs (a few hundred elements) their ratio scatters: up to 2.4x
+    (rms) and 2.8x (max) over 300 seeds of the sparse grid's fp32 rows. The bound then stays
+    ~1e-7 relative, far below any real defect. bf16/fp16 outputs keep ``k`` as given.
     """
     out_dtype = out_dtype or actual.dtype
+    if out_dtype == torch.float32:
+        k = max(k, FP32_MIN_K)
     ours = error_stats(actual, truth)
     base = error_stats(baseline, truth)
     floor = rounding_floor(truth, out_dtype)
