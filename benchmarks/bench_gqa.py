@@ -10,6 +10,11 @@ Sections (results are rewritten after each one, so a cut-short run keeps what it
 - ``decode``: S = 1, bf16 cache, (32, 8), H = 128, B in {1, 8, 32}, T in {4K, 32K, 128K}:
   GB/s on the K/V bytes read, vs the measured copy bandwidth, and time vs SDPA.
 - ``cache``: int8 and fp16 caches (bf16 activations) vs the bf16 cache.
+- ``features``: what SDPA lacks (softcap 50, local window, head sink) and plain causal, bf16,
+  (32, 8), H = 128: prefill (B=2, S=8K, the attention kernel alone) and decode (B=8, T=32K, the
+  whole op, CUDA-graph replay) vs FlexAttention (``benchmarks/flex_peers.py``: score_mod /
+  mask_mod / lse for the sink, torch.compile'd, block mask built outside the timing) and, for
+  the window, SDPA with a boolean mask. Each peer's output is checked against ours first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import flex_peers  # noqa: E402
 from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.gqa._params import GQAParams  # noqa: E402
@@ -35,12 +41,13 @@ N, KV = 32, 8
 DEV = "cuda"
 
 
-def _params(h, s, t, first, cos, sin, k_scale=None, v_scale=None) -> GQAParams:
+def _params(h, s, t, first, cos, sin, k_scale=None, v_scale=None, softcap=0.0, window=-1,
+            head_sink=None) -> GQAParams:  # fmt: skip
     return GQAParams(
-        num_heads=N, kv_num_heads=KV, head_size=h, scale=1.0 / math.sqrt(h), softcap=0.0,
-        local_window_size=-1, do_rotary=True, rotary_interleaved=False, smooth_softmax=False,
+        num_heads=N, kv_num_heads=KV, head_size=h, scale=1.0 / math.sqrt(h), softcap=softcap,
+        local_window_size=window, do_rotary=True, rotary_interleaved=False, smooth_softmax=False,
         qk_norm_epsilon=1e-6, is_first_prompt=first, total_sequence_length=t, cos_cache=cos,
-        sin_cache=sin, position_ids=None, attention_bias=None, head_sink=None,
+        sin_cache=sin, position_ids=None, attention_bias=None, head_sink=head_sink,
         q_norm_weight=None, k_norm_weight=None, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
@@ -314,10 +321,124 @@ def cache_dtypes(rows, copy_tbs):
             torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------
+
+
+FEATURES = [("causal", {}), ("softcap50", {"softcap": 50.0}), ("window", {"window": "half"}),
+            ("sink", {"sink": True})]  # fmt: skip
+
+
+def _feature_params(p: GQAParams, feat: dict, span: int) -> GQAParams:
+    import dataclasses
+
+    window = span // 2 if feat.get("window") == "half" else -1
+    sink = torch.randn(N, device=DEV) if feat.get("sink") else None
+    return dataclasses.replace(
+        p, softcap=feat.get("softcap", 0.0), local_window_size=window, head_sink=sink
+    )
+
+
+def _flex_peer(p: GQAParams, total_len: torch.Tensor, s: int, t: int):
+    """(fn(q [B,N,S,H], k, v), block mask) for FlexAttention computing what ``p`` asks for."""
+    mask = flex_peers.gqa_block_mask(total_len, s, t, window=p.local_window_size, compiled=True)
+
+    def fn(q, k, v):
+        return flex_peers.flex_gqa(q, k, v, mask, scale=p.scale, softcap=p.softcap,
+                                   sink=p.head_sink, compiled=True)  # fmt: skip
+
+    return fn
+
+
+def _sdpa_window_peer(p: GQAParams, total_len: torch.Tensor, s: int, t: int):
+    """SDPA with an explicit boolean causal+window mask [B, 1, S, T] (its masked backends)."""
+    qpos = (total_len.long() - s)[:, None] + torch.arange(s, device=DEV)[None, :]  # [B, S]
+    j = torch.arange(t, device=DEV)
+    ok = (j[None, None, :] <= qpos[..., None]) & (
+        j[None, None, :] > qpos[..., None] - p.local_window_size
+    )
+    mask = ok[:, None]  # [B, 1, S, T]
+
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=p.scale, enable_gqa=True
+        )
+
+    return fn
+
+
+def _peer_check(name, peer_out, ours_out, row):
+    """Largest |peer - ours| (both [B, N, S, H]) into the row: a peer that differs is flagged."""
+    diff = float((peer_out.float() - ours_out.float()).abs().max())
+    row[f"{name}_maxdiff"] = diff
+    if not diff < 0.05:  # bf16 outputs of O(1): the two agree to a few bf16 ulps
+        print(f"    WARNING: {name} differs from ours by {diff}", flush=True)
+
+
+def features(rows):
+    h = 128
+    # Prefill: the attention kernel alone (ours) vs flex / SDPA on the same rotated Q and caches.
+    b, s = 2, 8192
+    sets, p0 = _prefill_sets(b, s, h, 1)
+    total = torch.full((b,), s, device=DEV, dtype=torch.int32)
+    flops = 4 * b * N * h * s * s / 2
+    for fname, feat in FEATURES:
+        p = _feature_params(p0, feat, s)
+        asets = _attn_sets_from(sets, p, h)
+        q_rot, pk, pv, seqlens, out = asets[0]
+        fq = [(a[0].transpose(1, 2).contiguous(), a[1], a[2]) for a in asets]  # [B, N, S, H]
+        row = dict(section="features", phase="prefill", feature=fname, B=b, S_or_T=s)
+        row["ours_us"] = _time_or_none(_prefill_attn_fn(p, None), asets)
+        ours = out.view(b, s, N, h).transpose(1, 2)
+        peers = {"flex": _flex_peer(p, total, s, s)}
+        if p.local_window_size > 0:
+            peers["sdpa_mask"] = _sdpa_window_peer(p, total, s, s)
+        for name, fn in peers.items():
+            try:
+                _peer_check(name, fn(*fq[0]), ours, row)
+            except Exception as exc:
+                print(f"    {name} n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            row[f"{name}_us"] = _time_or_none(fn, fq)
+            if row[f"{name}_us"] and row["ours_us"]:
+                row[f"speedup_vs_{name}"] = row[f"{name}_us"] / row["ours_us"]
+        if row["ours_us"]:
+            row["ours_TFLOPs_dense_causal"] = flops / (row["ours_us"] * 1e-6) / 1e12
+        print(f"  {row}", flush=True)
+        rows.append(row)
+        del asets, fq
+        torch.cuda.empty_cache()
+    del sets
+    # Decode: the whole op (prologue + split-K + merge) vs flex decode on the present caches.
+    b, t = 8, 32768
+    sets, p0 = _decode_sets(b, t, torch.bfloat16, _decode_set_count(b, t, 2))
+    total = torch.full((b,), t, device=DEV, dtype=torch.int32)
+    for fname, feat in FEATURES:
+        p = _feature_params(p0, feat, t)
+        row = dict(section="features", phase="decode", feature=fname, B=b, S_or_T=t)
+        row["ours_graph_us"] = _graph_time_or_none(_decode_fn(p), sets)
+        q, k, v, pk, pv, sl = sets[0]
+        ours = gqa_triton(q, k, v, pk, pv, sl, p)[0].view(b, 1, N, h).transpose(1, 2)
+        q_rot = torch.empty(b, 1, N, h, device=DEV, dtype=torch.bfloat16)
+        launch.run_prologue(q, k, v, pk, pv, sl, p, q_rot)
+        fq = [(q_rot.transpose(1, 2).contiguous(), st[3], st[4]) for st in sets]
+        fn = _flex_peer(p, total, 1, t)
+        try:
+            _peer_check("flex", fn(*fq[0]), ours, row)
+            row["flex_graph_us"] = _graph_time_or_none(fn, fq)
+        except Exception as exc:
+            print(f"    flex n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        if row.get("flex_graph_us") and row["ours_graph_us"]:
+            row["speedup_vs_flex"] = row["flex_graph_us"] / row["ours_graph_us"]
+        print(f"  {row}", flush=True)
+        rows.append(row)
+    del sets
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--sections", default="prefill,decode,cache")
+    ap.add_argument("--sections", default="prefill,decode,cache,features")
     args = ap.parse_args()
     torch.manual_seed(0)
     meta = gpu_meta()
@@ -344,6 +465,7 @@ def main():
         ("prefill", lambda: prefill(rows, best)),
         ("decode", lambda: decode(rows, best, copy_tbs)),
         ("cache", lambda: cache_dtypes(rows, copy_tbs)),
+        ("features", lambda: features(rows)),
     ):
         if name not in sections:
             continue

@@ -14,8 +14,10 @@ Sections (results rewritten after each, so a cut-short run keeps what it measure
   gather + SDPA decode on the 60).
 
 All timings are CUDA-graph replays (GPU time, no Python launch overhead); one input set per
-shape: every shape moves >= 3x the 60 MB L2 per call. FlexAttention paged decode is not measured
-(not set up yet).
+shape: every shape moves >= 3x the 60 MB L2 per call. FlexAttention paged decode
+(``flex_peers.flex_paged_decode``: torch.compile'd flex over the physical cache in flex's
+``[1, KV, slots, H]`` layout, a BlockMask of each sequence's blocks, complete blocks marked full)
+is timed on the same query as gather + SDPA, and the two peers' outputs are compared.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import flex_peers  # noqa: E402
 from _harness import bench, gpu_meta, measure_ceilings, write_results  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.gqa._params import GQAParams  # noqa: E402
@@ -131,6 +134,29 @@ def _ragged(b, lo, hi, seed):
     return t
 
 
+def _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots):
+    """(graph-replay us, max |flex - gather+SDPA|) of FlexAttention's paged decode, or Nones."""
+    try:
+        k_phys = flex_peers.paged_physical_kv(kc)  # [1, KV, slots, H], outside the timing
+        v_phys = flex_peers.paged_physical_kv(vc)
+        lens = torch.tensor(lengths, device=DEV)
+        bm = flex_peers.paged_block_mask(table, lens, bs, kc.shape[0])
+        scale = 1.0 / math.sqrt(H)
+
+        def fn(q):
+            return flex_peers.flex_paged_decode(q, k_phys, v_phys, bm, scale=scale, compiled=True)
+
+        got = fn(sq)
+        want = _gather_sdpa_fn(kc, vc, slots, mask)(sq)
+        diff = float((got.float() - want.float()).abs().max())
+        us = _graph_us(fn, (sq,))
+        return us, diff
+    except Exception as exc:
+        print(f"    flex n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        torch.cuda.empty_cache()
+        return None, None
+
+
 def decode(rows, copy_tbs):
     for b in (8, 64):
         lengths = _ragged(b, 1024, 65536, seed=b)  # totals incl. the new token
@@ -163,11 +189,15 @@ def decode(rows, copy_tbs):
             gather_sdpa = _graph_us(_gather_sdpa_fn(kc, vc, slots, mask), (sq,))
             flat = kc.view(-1, KV, H)
             gather_only = _graph_us(lambda f, i: f[i], (flat, slots))
+            flex_us, flex_diff = _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots)
             row = dict(section="decode", B=b, block_size=bs, T_min=min(lengths), T_max=t_max,
                        KV_MB=nbytes / 1e6, ours_us=ours, gqa_contig_us=gqa_us,
                        gather_sdpa_us=gather_sdpa, gather_only_us=gather_only,
+                       flex_us=flex_us, flex_vs_gather_sdpa_maxdiff=flex_diff,
                        floor_us=nbytes / (copy_tbs * 1e12) * 1e6)  # fmt: skip
-            for name in ("ours", "gqa_contig", "gather_sdpa"):
+            if ours and flex_us:
+                row["speedup_vs_flex"] = flex_us / ours
+            for name in ("ours", "gqa_contig", "gather_sdpa", "flex"):
                 us = row[f"{name}_us"]
                 row[f"{name}_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
             if ours and gqa_us:
