@@ -374,14 +374,16 @@ def _peer_check(name, peer_out, ours_out, row):
         print(f"    WARNING: {name} differs from ours by {diff}", flush=True)
 
 
-def features(rows):
+def features(rows, names=None, phases=("prefill", "decode")):
+    """``names``: subset of FEATURES' names (default all); ``phases``: prefill and/or decode."""
     h = 128
+    feats = [(n, f) for n, f in FEATURES if names is None or n in names]
     # Prefill: the attention kernel alone (ours) vs flex / SDPA on the same rotated Q and caches.
     b, s = 2, 8192
-    sets, p0 = _prefill_sets(b, s, h, 1)
+    sets, p0 = _prefill_sets(b, s, h, 1) if "prefill" in phases else ([], None)
     total = torch.full((b,), s, device=DEV, dtype=torch.int32)
     flops = 4 * b * N * h * s * s / 2
-    for fname, feat in FEATURES:
+    for fname, feat in feats if sets else []:
         p = _feature_params(p0, feat, s)
         asets = _attn_sets_from(sets, p, h)
         q_rot, pk, pv, seqlens, out = asets[0]
@@ -409,15 +411,17 @@ def features(rows):
         torch.cuda.empty_cache()
     del sets
     # Decode: the whole op (prologue + split-K + merge) vs flex decode on the present caches.
+    if "decode" not in phases:
+        return
     b, t = 8, 32768
     sets, p0 = _decode_sets(b, t, torch.bfloat16, _decode_set_count(b, t, 2))
     total = torch.full((b,), t, device=DEV, dtype=torch.int32)
-    for fname, feat in FEATURES:
+    for fname, feat in feats:
         p = _feature_params(p0, feat, t)
         row = dict(section="features", phase="decode", feature=fname, B=b, S_or_T=t)
         row["ours_graph_us"] = _graph_time_or_none(_decode_fn(p), sets)
         q, k, v, pk, pv, sl = sets[0]
-        ours = gqa_triton(q, k, v, pk, pv, sl, p)[0].view(b, 1, N, h).transpose(1, 2)
+        ours = gqa_triton(q, k, v, pk, pv, sl, p).view(b, 1, N, h).transpose(1, 2)
         q_rot = torch.empty(b, 1, N, h, device=DEV, dtype=torch.bfloat16)
         launch.run_prologue(q, k, v, pk, pv, sl, p, q_rot)
         fq = [(q_rot.transpose(1, 2).contiguous(), st[3], st[4]) for st in sets]
@@ -439,7 +443,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--sections", default="prefill,decode,cache,features")
+    ap.add_argument("--features", default=None, help="features section: e.g. softcap50,window")
+    ap.add_argument("--phases", default="prefill,decode", help="features section phases")
     args = ap.parse_args()
+    feature_names = args.features.split(",") if args.features else None
     torch.manual_seed(0)
     meta = gpu_meta()
     ceil = measure_ceilings()
@@ -465,7 +472,7 @@ def main():
         ("prefill", lambda: prefill(rows, best)),
         ("decode", lambda: decode(rows, best, copy_tbs)),
         ("cache", lambda: cache_dtypes(rows, copy_tbs)),
-        ("features", lambda: features(rows)),
+        ("features", lambda: features(rows, feature_names, args.phases.split(","))),
     ):
         if name not in sections:
             continue

@@ -15,6 +15,11 @@ Sections (results are rewritten after each one, so a cut-short run keeps what it
 - ``cache``: FP16 vs BF16 main cache (T = 128K), INT8 vs BF16 at budget 8192 (T = 128K).
 - ``memory``: peak GPU memory of one DSA decode over a 256K-token cache of one layer vs the
   bytes that cache needs.
+- ``peers``: DSA (the whole op: QK-norm + rotary prologue, append, sparse attention) vs
+  FlexAttention with the same selection as a BlockMask (``flex_peers.sparse_block_mask``: one
+  query row per flex batch over the flattened cache, causality inside the blocks, the sink
+  through the lse; its Q is pre-normed/rotated, so it does less work) and vs torch SDPA dense
+  over all T keys (attention only). The flex output is checked against ours first.
 
 Timing: CUDA-graph replay of the whole op call (the public API, validation skipped inside the
 capture as in production decode), one graph per input set, rotating over sets of fresh
@@ -35,7 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import flex_peers  # noqa: E402
 from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from longattn import rms_norm_rotary  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer  # noqa: E402
 from longattn.testing import error_stats  # noqa: E402
@@ -279,10 +286,68 @@ def memory_section(rows, layers):
         print(r, flush=True)
 
 
+def _flex_sets(layer, s, t, seqlens, sets, k_flat, v_flat):
+    """Per input set: (q_rot [B*S, N, 1, H], k_flat, v_flat, block mask) for the flex peer."""
+    b = layer.b
+    row_b = torch.arange(b * s, device=DEV) // s
+    qpos = (seqlens.long() + 1 - s)[row_b] + torch.arange(b * s, device=DEV) % s
+    pos = qpos.view(b, s)
+    out = []
+    for x in sets:
+        q_rot = rms_norm_rotary(x["q"], layer.qn, layer.cos, layer.sin, pos, num_heads=N)
+        q_rot = q_rot.view(b * s, 1, N, H).transpose(1, 2).contiguous()
+        bm = flex_peers.sparse_block_mask(x["sel"], x["cnt"], row_b * layer.cap, qpos, R,
+                                          b * layer.cap)  # fmt: skip
+        out.append((q_rot, k_flat, v_flat, bm))
+    return out
+
+
+def _sdpa_dense(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True
+    )
+
+
+def peers_section(rows, layers):
+    scale = H**-0.5
+    for b in (1, 4):
+        layer = layers[(b, torch.bfloat16)]
+        for t in (32768, 131072, 262144):
+            for s in (1, 8):
+                seqlens, sets = _inputs(layer, s, t, 4, BUDGET)
+                t_dsa = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
+                ours = _dsa_sel(layer, seqlens, t, sets[0]).float()  # also appends K/V
+                r = _row("peers", layer, s, t, BUDGET, dsa_us=round(t_dsa, 2))
+                try:
+                    k_flat, v_flat = flex_peers.flat_kv(layer.k), flex_peers.flat_kv(layer.v)
+                    fsets = _flex_sets(layer, s, t, seqlens, sets, k_flat, v_flat)
+
+                    def flex(q, k, v, bm):
+                        return flex_peers.flex_sparse(q, k, v, bm, scale=scale, compiled=True)
+
+                    got = flex(*fsets[0]).transpose(1, 2).reshape(b, s, N * H).float()
+                    r["flex_maxdiff"] = round(float((got - ours).abs().max()), 4)
+                    t_flex = _graph_time(lambda a: flex(*a), fsets)
+                    r["flex_us"] = round(t_flex, 2)
+                    r["speedup_vs_flex"] = round(t_flex / t_dsa, 2)
+                    del k_flat, v_flat, fsets
+                except Exception as exc:
+                    print(f"    flex n/a: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                q = sets[0]["q"].view(b, s, N, H).transpose(1, 2)
+                mask = torch.ones(s, t, dtype=torch.bool, device=DEV).tril(t - s)
+                args = (q, layer.k[:, :, :t], layer.v[:, :, :t], mask)
+                t_sdpa = _graph_time(lambda a: _sdpa_dense(*a), [args])
+                r["sdpa_dense_us"] = round(t_sdpa, 2)
+                r["speedup_vs_sdpa_dense"] = round(t_sdpa / t_dsa, 2)
+                rows.append(r)
+                print(r, flush=True)
+                torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--sections", default="layer,cache,eager,memory")
+    ap.add_argument("--sections", default="layer,cache,eager,memory,peers")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     meta = gpu_meta()
@@ -313,6 +378,7 @@ def main(argv=None):
         "cache": lambda: cache_section(rows, layers, ceil["copy_TBps"]),
         "eager": lambda: eager_section(rows, layers),
         "memory": lambda: memory_section(rows, layers),
+        "peers": lambda: peers_section(rows, layers),
     }
     for name in args.sections.split(","):
         sections[name]()

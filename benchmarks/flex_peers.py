@@ -24,7 +24,14 @@ import torch
 def _flex(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    if not compiled:
+        return flex_attention
+    # Each score_mod / mask_mod closure is a new guard: a benchmark compiles a dozen variants.
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(64, getattr(cfg, name)))
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
