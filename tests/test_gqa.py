@@ -592,6 +592,51 @@ def test_base_kwargs_are_valid():
     assert torch.isfinite(out).all()
 
 
+def test_validate_false_reads_no_values(monkeypatch):
+    """validate=False never reads seqlens_k / position_ids on the host (no device sync)."""
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("host value checks ran")
+
+    monkeypatch.setattr(api, "_data_checks", no_reads)
+    out, _, _ = group_query_attention(**_base_kwargs(), validate=False)
+    assert torch.isfinite(out).all()
+    with pytest.raises(AssertionError, match="host value checks ran"):
+        group_query_attention(**_base_kwargs())
+    with pytest.raises(TypeError, match="validate"):
+        group_query_attention(**_base_kwargs(), validate=1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
+def test_unvalidated_bad_seqlens_stay_in_bounds(backend):
+    """seqlens_k beyond the capacity / negative with validate=False (as under CUDA graphs): no
+    error, nothing written outside the sequence's valid rows, no read past the cache (the
+    caches are views into a NaN-filled buffer: a stray read would show up as NaN)."""
+    if backend == "triton" and not (torch.cuda.is_available() or _cascade.interpreter_active()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    kw = _base_kwargs()
+    b, kv, cap, h = kw["past_key"].shape
+    t = kw["total_sequence_length"]  # T = 10 < C = 16: no sequence owns rows >= T
+    for name in ("past_key", "past_value"):  # rows >= T, and past C in one buffer: NaN
+        buf = torch.full((b, kv, 2 * cap, h), float("nan"))
+        buf[:, :, :t] = kw[name][:, :, :t]
+        kw[name] = buf[:, :, :cap]
+    kw["seqlens_k"] = torch.tensor([3, 40], dtype=torch.int32)  # seq 1: 41 > T and > C
+    before_k, before_v = kw["past_key"].clone(), kw["past_value"].clone()
+    with pytest.raises(ValueError, match="seqlens_k"):
+        group_query_attention(**kw, backend=backend)
+    out, pk, pv = group_query_attention(**kw, backend=backend, validate=False)
+    assert pk is kw["past_key"]
+    assert torch.isfinite(out).all()
+    same = lambda x, y: torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))  # noqa: E731
+    assert same(pk[1], before_k[1]) and same(pv[1], before_v[1])  # the write was dropped
+    rows = torch.arange(cap) != 3  # seq 0 writes row 3 only
+    assert same(pk[0][:, rows], before_k[0][:, rows])
+    kw["seqlens_k"] = torch.tensor([3, -7], dtype=torch.int32)
+    out, pk, pv = group_query_attention(**kw, backend=backend, validate=False)
+    assert torch.isfinite(out).all() and same(pk[1], before_k[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library / torch.compile.
 

@@ -241,12 +241,14 @@ def append_rows(
     """Write ``rows [B, KV, S, H]`` (cache dtype) into ``cache [B, KV, C, H]`` at rows
     ``pos [B, S]`` where ``valid [B, S]``; other rows keep their bits.
 
-    Sync-free: invalid rows write back the value they read (their positions are clamped into
-    the cache). Valid positions of one sequence must be distinct.
+    Sync-free: invalid rows, and rows whose position lies outside ``[0, C)`` (metadata that was
+    not validated), write back the value they read (their positions are clamped into the
+    cache). Valid positions of one sequence must be distinct.
     """
     b = rows.shape[0]
     view = cache.transpose(1, 2)  # [B, C, KV, H], shares cache's storage
     bi = torch.arange(b, device=pos.device)[:, None].expand(pos.shape)
+    valid = valid & (pos >= 0) & (pos < cache.shape[2])
     pi = pos.clamp(0, cache.shape[2] - 1)
     new = rows.transpose(1, 2)  # [B, S, KV, H]
     # (index_put_ rather than scatter_: CPU scatter_ on bf16 rewrites the whole tensor.)

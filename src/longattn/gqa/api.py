@@ -372,6 +372,7 @@ def group_query_attention(
     rotary_interleaved: bool = False,
     smooth_softmax: bool = False,
     qk_norm_epsilon: float = 1e-6,
+    validate: bool = True,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped-query attention with a contiguous KV cache (ORT ``GroupQueryAttention``).
@@ -420,6 +421,14 @@ def group_query_attention(
         do_rotary, rotary_interleaved: rotary on Q and the new K (half/split or interleaved).
         smooth_softmax: add a zero-logit sink (see head_sink).
         qk_norm_epsilon: RMSNorm epsilon of the QK-norm.
+        validate: ``True`` (default) checks the *values* of ``seqlens_k`` (``S - 1 <=
+            seqlens_k < min(T, C)``, ``>= 0`` for a first prompt) and ``position_ids`` (inside
+            cos_cache) on the host, which **synchronizes with the device** (two to four small
+            reads). Skipped automatically under torch.compile tracing and CUDA-graph capture;
+            pass ``False`` on hot eager decode paths so the host never waits for the GPU.
+            Without the checks, bad values never read or write outside the caches (writes to rows
+            ``>= C`` are dropped, positions are clamped into cos_cache), but the result is
+            undefined. Shape/dtype errors are always raised.
         backend: "auto", "triton", "chunked" or "reference".
 
     Returns:
@@ -430,9 +439,9 @@ def group_query_attention(
     tier rounds Q to the dot dtype); new K/V are rounded (or quantized) once into the cache and
     attention reads them back from it; the output is rounded once to query's dtype.
 
-    Data checks (seqlens_k / position_ids ranges) run in eager mode only; under torch.compile
-    or CUDA-graph capture nothing syncs and out-of-range values give unspecified (but in-bounds)
-    results.
+    Data checks (seqlens_k / position_ids ranges, see ``validate``) run in eager mode only;
+    under torch.compile or CUDA-graph capture nothing syncs and out-of-range values give
+    unspecified (but in-bounds) results.
     """
     _cascade.check_backend_name(backend)
     h = _validate_activations(query, key, value, num_heads, kv_num_heads)
@@ -488,9 +497,13 @@ def group_query_attention(
     scale = _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h)
 
     shared = past_key is not None and past_cap >= total
-    _data_checks(
-        seqlens_k, position_ids, cos_cache, s, total, past_cap if shared else total, first_prompt
-    )
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate:
+        _data_checks(
+            seqlens_k, position_ids, cos_cache, s, total, past_cap if shared else total,
+            first_prompt,
+        )  # fmt: skip
     if shared:
         present_key, present_value = past_key, past_value
     else:

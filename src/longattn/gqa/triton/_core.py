@@ -26,6 +26,18 @@ def tanh_f32(x):
 
 
 @triton.jit
+def load_total_len(seqlens_ptr, b, max_total):
+    """Total length of sequence ``b`` (``seqlens_k[b] + 1``) clamped into ``[0, max_total]``.
+
+    ``max_total`` is T (total_sequence_length): the caches hold >= T rows, so metadata that was
+    not validated on the host (CUDA-graph capture, torch.compile, ``validate=False``) can never
+    make a kernel read past them; such a sequence gets an undefined but in-bounds result.
+    """
+    t = tl.load(seqlens_ptr + b) + 1
+    return tl.minimum(tl.maximum(t, 0), max_total)
+
+
+@triton.jit
 def scores(
     q,  # [M, HEAD] dot dtype
     k,  # [BLOCK_N, HEAD] dot dtype

@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._core import causal_window_mask, load_kv_tile, normalize, online_softmax_step, scores
+from ._core import (
+    causal_window_mask,
+    load_kv_tile,
+    load_total_len,
+    normalize,
+    online_softmax_step,
+    scores,
+)
 
 
 @triton.jit
@@ -56,6 +63,7 @@ def gqa_decode_split_kernel(
     k_ptr,  # [B, KV, C, HEAD] cache
     v_ptr,
     seqlens_ptr,  # [B] int32, total_len - 1
+    max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
     bias_ptr,  # [B|1, N|1, S, T]
     vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
     o_part_ptr,  # [B, S, N, splits, HEAD] fp32
@@ -99,7 +107,7 @@ def gqa_decode_split_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
-    total_len = tl.load(seqlens_ptr + b) + 1
+    total_len = load_total_len(seqlens_ptr, b, max_total)
     if IS_FIRST_PROMPT:
         offset = 0
         rows_valid = tl.minimum(seq_len, total_len)

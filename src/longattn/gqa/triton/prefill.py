@@ -12,7 +12,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._core import causal_window_mask, load_kv_tile, normalize, online_softmax_step, scores
+from ._core import (
+    causal_window_mask,
+    load_kv_tile,
+    load_total_len,
+    normalize,
+    online_softmax_step,
+    scores,
+)
 
 
 @triton.jit
@@ -105,6 +112,7 @@ def gqa_prefill_kernel(
     v_ptr,
     o_ptr,  # [B, S, N * HEAD] activation dtype
     seqlens_ptr,  # [B] int32, total_len - 1
+    max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
     bias_ptr,  # [B|1, N|1, S, T] (strides 0 on broadcast dims)
     sink_ptr,  # [N]
     vs_ptr,  # v_scale: [1] or [KV, 1, HEAD] fp32
@@ -151,7 +159,7 @@ def gqa_prefill_kernel(
     n = pid_bn % NUM_HEADS
     kvh = n // GROUP
     b64 = b.to(tl.int64)
-    total_len = tl.load(seqlens_ptr + b) + 1
+    total_len = load_total_len(seqlens_ptr, b, max_total)
     if IS_FIRST_PROMPT:
         offset = 0
         rows_valid = tl.minimum(seq_len, total_len)  # rows >= total_len are right padding
