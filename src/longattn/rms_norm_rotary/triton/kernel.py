@@ -104,15 +104,20 @@ def _rms_norm_rotary_kernel(
 
 
 def _launch_config(num_heads: int, head: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): about 1K elements per program, 4 warps.
+    """(BLOCK_N, num_warps) from the latest H200 sweep (benchmarks/results/rms_norm_rotary.md,
+    kernel launched directly, [1, 16384, N x H] bf16 -> fp16):
 
-    H200 sweep (benchmarks/results/rms_norm_rotary.md): 32x128 was best at BLOCK_N=8 / 4 warps
-    (75 us, 86% of copy bandwidth) and 16x256 at BLOCK_N=4 / 4 warps; 4K-element tiles with
-    8 warps were 1.7-2x slower.
+    - H <= 128: 1K-element tiles on 2 warps (32x128: BLOCK_N=8/2 warps 71.6 us = 90% of copy
+      bandwidth, vs 98.4 us at 8/4 and 85-320 us elsewhere);
+    - H >= 256: 2K-element tiles on 8 warps (16x256: 8/8 104.8 us, vs 112-163 us elsewhere).
+    Earlier runs ranked 8/4 first for 32x128 (75 us): run-to-run spread is ~20%, so re-sweep
+    when the kernel changes.
     """
     head_pad = triton.next_power_of_2(head)
-    block_n = max(1, min(triton.next_power_of_2(num_heads), 1024 // head_pad))
-    return block_n, 4
+    heads_pad = triton.next_power_of_2(num_heads)
+    if head_pad <= 128:
+        return max(1, min(heads_pad, 1024 // head_pad)), 2
+    return max(1, min(heads_pad, 2048 // head_pad)), 8
 
 
 def rms_norm_rotary_triton(
