@@ -391,11 +391,12 @@ def features(rows, names=None, phases=("prefill", "decode")):
         row = dict(section="features", phase="prefill", feature=fname, B=b, S_or_T=s)
         row["ours_us"] = _time_or_none(_prefill_attn_fn(p, None), asets)
         ours = out.view(b, s, N, h).transpose(1, 2)
-        peers = {"flex": _flex_peer(p, total, s, s)}
+        peers = {"flex": _flex_peer}  # factories: building a peer may fail too
         if p.local_window_size > 0:
-            peers["sdpa_mask"] = _sdpa_window_peer(p, total, s, s)
-        for name, fn in peers.items():
+            peers["sdpa_mask"] = _sdpa_window_peer
+        for name, make in peers.items():
             try:
+                fn = make(p, total, s, s)
                 _peer_check(name, fn(*fq[0]), ours, row)
             except Exception as exc:
                 print(f"    {name} n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
@@ -425,8 +426,8 @@ def features(rows, names=None, phases=("prefill", "decode")):
         q_rot = torch.empty(b, 1, N, h, device=DEV, dtype=torch.bfloat16)
         launch.run_prologue(q, k, v, pk, pv, sl, p, q_rot)
         fq = [(q_rot.transpose(1, 2).contiguous(), st[3], st[4]) for st in sets]
-        fn = _flex_peer(p, total, 1, t)
         try:
+            fn = _flex_peer(p, total, 1, t)
             _peer_check("flex", fn(*fq[0]), ours, row)
             row["flex_graph_us"] = _graph_time_or_none(fn, fq)
         except Exception as exc:
