@@ -19,7 +19,8 @@ from longattn.rms_norm_rotary.triton.kernel import rms_norm_rotary_triton  # noq
 from longattn.testing import error_stats  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (1, 16384, 16, 256)]
-CONFIGS = [(1, 2), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4), (8, 4), (16, 4), (8, 8), (16, 8)]
+CONFIGS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
+           (16, 4), (4, 8), (8, 8), (16, 8)]  # fmt: skip
 
 
 def eager_composition(x, w, cos, sin, num_heads, eps=1e-6):

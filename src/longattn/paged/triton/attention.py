@@ -32,6 +32,7 @@ from ...gqa.triton._core import (
     normalize,
     online_softmax_step,
     scores,
+    to_dot,
 )
 from ._schedule import pick, schedule
 
@@ -84,7 +85,7 @@ def load_paged_tile(
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    return t.to(DOT_DTYPE)
+    return to_dot(t, DOT_DTYPE)
 
 
 @triton.jit

@@ -1,0 +1,25 @@
+"""benchmarks/merge_results.py: a new run's sections replace the kept ones, others stay."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import merge_results  # noqa: E402
+
+
+def test_merge_replaces_only_new_sections(tmp_path):
+    old = dict(op="x", meta={"gpu": "A"}, notes=["n1"],
+               rows=[{"section": "a", "v": 1}, {"section": "b", "v": 2}])  # fmt: skip
+    new = dict(op="x", meta={"gpu": "B"}, notes=["n2"], rows=[{"section": "b", "v": 3}])
+    (tmp_path / "x.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--note", "run 2"])
+    got = json.loads((tmp_path / "x.json").read_text())
+    assert got["rows"] == [{"section": "a", "v": 1}, {"section": "b", "v": 3}]
+    assert got["meta"]["gpu"] == "A" and json.loads(got["meta"]["run_b"])["gpu"] == "B"
+    assert got["notes"] == ["n1", "n2", "run 2"]
+    md = (tmp_path / "x.md").read_text()
+    assert "## a" in md and "## b" in md and "| 3 |" in md
