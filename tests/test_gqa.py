@@ -476,6 +476,12 @@ BAD = [
     ),
     ("window 0", lambda kw: dict(kw, local_window_size=0), ValueError, "local_window_size"),
     ("softcap", lambda kw: dict(kw, softcap=-1.0), ValueError, "softcap"),
+    (
+        "negative scale",
+        lambda kw: dict(kw, scale=-0.1),
+        ValueError,
+        "scale must be a finite float > 0",
+    ),
     ("rotary no cos", lambda kw: dict(kw, do_rotary=True), ValueError, "cos_cache"),
     ("cos without rotary", lambda kw: dict(_rot(kw), do_rotary=False), ValueError, "cos_cache"),
     (

@@ -547,6 +547,7 @@ def test_bad_shapes_and_dtypes():
     _bad(bt, "num_heads = 8 must be a multiple of kv_num_heads = 3", kv_num_heads=3)
     _bad(bt, "local_window_size must be -1", local_window_size=0)
     _bad(bt, "softcap must be >= 0", softcap=-1.0)
+    _bad(bt, "scale must be a finite float > 0", scale=-0.1)
     _bad(bt, "do_rotary=True needs cos_cache", do_rotary=True)
     _bad(bt, "key_cache must be contiguous",
          key_cache=bt.key_cache.transpose(0, 1).contiguous().transpose(0, 1),

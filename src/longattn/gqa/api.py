@@ -300,8 +300,10 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
 def _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h):
     if scale is None or scale == 0.0:
         scale = 1.0 / math.sqrt(h)
-    if not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float (or None/0.0 for 1/sqrt(H)), got {scale!r}")
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+        raise ValueError(
+            f"scale must be a finite float > 0 (or None/0.0 for 1/sqrt(H)), got {scale!r}"
+        )
     if not isinstance(softcap, int | float) or not softcap >= 0.0 or not math.isfinite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     w = local_window_size
@@ -415,7 +417,8 @@ def group_query_attention(
             the new K before rotary (eps = ``qk_norm_epsilon``).
         k_scale, v_scale: fp32 ``[1]`` or ``[KV, 1, H]`` int8 scales (only with an int8 cache):
             ``q = round(x / scale)`` clamped to [-127, 127]; reads use ``q * scale``.
-        scale: logit scale; None or 0.0 means ``1/sqrt(H)``.
+        scale: logit scale > 0; None or 0.0 means ``1/sqrt(H)``. (The kernels take each row's
+            max before scaling, as FlashAttention does, which needs a positive scale.)
         softcap: ``c * tanh(x / c)`` on the scaled logits when > 0.
         local_window_size: -1 off, else W > 0: a query at p sees keys ``p-W+1 .. p``.
         do_rotary, rotary_interleaved: rotary on Q and the new K (half/split or interleaved).

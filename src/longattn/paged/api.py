@@ -212,8 +212,10 @@ def validate_inputs(
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
     if scale is None or scale == 0:
         return 1.0 / math.sqrt(h)
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+    if not math.isfinite(float(scale)) or scale < 0:
+        raise ValueError(
+            f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
+        )
     return float(scale)
 
 
@@ -289,7 +291,7 @@ def paged_attention(
         head_sink: ``[num_heads]`` per-head sink logit (joins the softmax denominator).
         q_norm_weight, k_norm_weight: ``[H]`` per-head RMSNorm weights (before rotary).
         k_scale, v_scale: fp32 ``[1]`` or ``[kv_num_heads, 1, H]``; required iff int8 cache.
-        scale: logit scale, default (None or 0) ``1 / sqrt(H)``.
+        scale: logit scale > 0, default (None or 0) ``1 / sqrt(H)``.
         softcap: ``x = softcap * tanh(x / softcap)`` when > 0.
         local_window_size: W > 0: a query sees its last W positions (itself included); -1 off.
         do_rotary, rotary_interleaved: rotary on Q and the new K (half or interleaved layout).

@@ -96,15 +96,23 @@ def scores(
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """log2-domain logits ``[M, BLOCK_N]`` fp32 of one K tile (mask not applied)."""
+    """Logits of one K tile (mask not applied) as ``(s [M, BLOCK_N] fp32, unit)``: ``s * unit``
+    is the log2-domain logit. Plain logits stay raw dot products (``unit = qk_scale > 0``), so
+    the softmax folds the scale into one FMA with the max subtraction; softcap/bias logits come
+    out scaled (``unit = 1``)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
     if HAS_SOFTCAP:
         s = tanh_f32(qk * qk_scale) * softcap_mult
+        if HAS_BIAS:
+            s = s + bias * 1.4426950408889634
+        unit = 1.0
+    elif HAS_BIAS:
+        s = qk * qk_scale + bias * 1.4426950408889634
+        unit = 1.0
     else:
-        s = qk * qk_scale
-    if HAS_BIAS:
-        s = s + bias * 1.4426950408889634
-    return s
+        s = qk
+        unit = qk_scale
+    return s, unit
 
 
 @triton.jit
@@ -123,17 +131,19 @@ def causal_window_mask(
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+def online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC: tl.constexpr):
     """Fold one tile into the running (acc [M, HEAD], m [M], l [M]) state.
 
-    s: [M, BLOCK_N] fp32 log2-domain logits, -inf where masked; v: [BLOCK_N, HEAD] dot dtype.
+    s: [M, BLOCK_N] fp32 logits, -inf where masked, with ``s * unit`` in the log2 domain
+    (``unit > 0``: the max commutes with it); v: [BLOCK_N, HEAD] dot dtype. The P.V product
+    accumulates into the rescaled acc on the tensor cores.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+    m_new = tl.maximum(m_i, tl.max(s, 1) * unit)  # [M]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay finite
     alpha = tl.exp2(m_i - m_safe)  # [M]
-    p = tl.exp2(s - m_safe[:, None])  # [M, BLOCK_N]
+    p = tl.exp2(s * unit - m_safe[:, None])  # [M, BLOCK_N], one FMA + exp2 per logit
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 

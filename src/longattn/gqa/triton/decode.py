@@ -50,11 +50,11 @@ def _decode_block(
         )
         b_mask = row_ok[:, None] & (offs_n < end)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N]
-    s = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
     mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
     s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
     v = load_kv_tile(v_base, offs_n, offs_d, stride_vc, end, DOT_DTYPE, True)
-    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
 @triton.jit

@@ -65,12 +65,12 @@ def _attend_block(
         )
         b_mask = in_s[:, None] & (offs_n < kv_hi)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-    s = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, kv_hi, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
     v = load_kv_tile(v_base, offs_n, offs_d, stride_vc, kv_hi, DOT_DTYPE, MASKED)
-    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
 @triton.jit

@@ -100,13 +100,13 @@ def _attend_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
                         BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
-    s = scores(q, k, qk_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)  # [ROWS, BLOCK_N]
+    s, unit = scores(q, k, qk_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
     v = load_paged_tile(vc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
                         BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
-    return online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
 @triton.jit
