@@ -210,6 +210,32 @@ def decode(rows, copy_tbs):
             torch.cuda.empty_cache()
 
 
+def tune(rows, copy_tbs, block_size=64):
+    """Decode split budget (``decode_splits`` = split items per KV head beyond one per
+    sequence) on the decode section's ragged batches: the default is WAVES * SMs / KV."""
+    for b in (8, 64):
+        lengths = _ragged(b, 1024, 65536, seed=b)
+        nbytes = sum(lengths) * KV * H * 2 * 2
+        cos, sin = rope_cache(max(lengths) + 1, H, device=DEV)
+        q, k, v, kc, vc, cu, past, table = _paged_batch([1] * b, [t - 1 for t in lengths],
+                                                        block_size, seed=block_size)  # fmt: skip
+        p = _paged_params(cos, sin)
+        for extra in (None, 66, 132, 264, 528, 1056):
+
+            def fn(*a, extra=extra):
+                return paged_attention_triton(*a, decode_splits=extra)
+
+            us = _graph_us(fn, (q, k, v, kc, vc, cu, past, table, p))
+            row = dict(section="tune-splits", B=b, block_size=block_size,
+                       decode_splits=extra or "default", us=us,
+                       GBps=nbytes / (us * 1e-6) / 1e9 if us else None,
+                       floor_us=nbytes / (copy_tbs * 1e12) * 1e6)  # fmt: skip
+            print(f"  {row}", flush=True)
+            rows.append(row)
+        del q, k, v, kc, vc
+        torch.cuda.empty_cache()
+
+
 def mixed(rows, copy_tbs, block_size=64):
     n_pre, s_pre, n_dec = 4, 2048, 60
     dec_len = _ragged(n_dec, 1024, 16384, seed=7)
@@ -268,7 +294,8 @@ def main(argv=None):
     ]
     rows: list[dict] = []
     t0 = time.time()
-    for name, fn in (("decode", lambda: decode(rows, ceil["copy_TBps"])),
+    for name, fn in (("tune", lambda: tune(rows, ceil["copy_TBps"])),
+                     ("decode", lambda: decode(rows, ceil["copy_TBps"])),
                      ("mixed", lambda: mixed(rows, ceil["copy_TBps"]))):  # fmt: skip
         if name not in args.sections.split(","):
             continue
