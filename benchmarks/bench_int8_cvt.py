@@ -6,7 +6,7 @@ H = 128, T = 128K, bf16 activations (and fp16 activations at B = 8), CUDA-graph 
 the bf16-cache time of the same shape (measured in the same process), plus a small int8 tile
 sweep at B = 8 (a cheaper conversion can move the best tile).
 
-    for m in asm bits cast; do LONGATTN_INT8_CVT=$m python benchmarks/bench_int8_cvt.py \
+    for m in asm cast; do LONGATTN_INT8_CVT=$m python benchmarks/bench_int8_cvt.py \
         --out int8_cvt.jsonl; done
 """
 

@@ -22,13 +22,14 @@ LOG2E = 1.4426950408889634
 
 
 def _int8_conversion_mode() -> str:
-    """How int8 cache tiles become dot operands: "asm" (byte-permute magic-number conversion,
-    exact), "bits" (the same trick in plain Triton ops) or "cast" (``.to()``, the I2F path).
-    ``LONGATTN_INT8_CVT`` picks one (read once, at import); the interpreter always casts."""
+    """How int8 cache tiles become dot operands: "asm" (byte-permute magic-number PTX, exact; see
+    ``int8_to_float``) or "cast" (``.to()``, Triton's own conversion, applied after the shared
+    memory load). ``LONGATTN_INT8_CVT`` picks one (read once, at import); the interpreter, which
+    has no inline PTX, always casts."""
     mode = os.environ.get("LONGATTN_INT8_CVT", "asm").strip().lower()
-    if mode not in ("asm", "bits", "cast"):
-        raise ValueError(f"LONGATTN_INT8_CVT must be asm, bits or cast, got {mode!r}")
-    return "cast" if interpreter_active() and mode == "asm" else mode  # no inline asm there
+    if mode not in ("asm", "cast"):
+        raise ValueError(f"LONGATTN_INT8_CVT must be asm or cast, got {mode!r}")
+    return "cast" if interpreter_active() else mode
 
 
 INT8_CVT = tl.constexpr(_int8_conversion_mode())
@@ -197,25 +198,21 @@ def to_dot(t, DOT_DTYPE: tl.constexpr):
 def int8_to_float(t, DTYPE: tl.constexpr, MODE: tl.constexpr):
     """int8 tile -> the same integers in DTYPE (exact: -128..127 fit fp16, bf16 and fp32).
 
-    For fp16/bf16, "asm" and "bits" avoid the quarter-rate int->float conversion unit, which
-    bounds an int8-cache decode below the memory bandwidth; fp32 (and "cast") use ``.to``.
+    "asm" (fp16/bf16) converts in the tile's load layout with the magic-number PTX above. It is
+    declared impure on purpose: Triton would otherwise sink a pure conversion below the shared
+    memory load into the dot-operand layout, where V's int8 elements (key-major for the P.V
+    MMA) come out of shared memory one byte at a time. Kept here, the int8 tile arrives by
+    16-byte async copies and the converted 16-bit tile is transposed by ldmatrix, as a 16-bit
+    cache is. "cast" (and fp32) use ``.to``.
     """
     if MODE == "asm" and DTYPE == tl.float16:
         r = tl.inline_asm_elementwise(
-            _I8_TO_F16_ASM, "=r,=r,r", [t], dtype=tl.float16, is_pure=True, pack=4
+            _I8_TO_F16_ASM, "=r,=r,r", [t], dtype=tl.float16, is_pure=False, pack=4
         )
     elif MODE == "asm" and DTYPE == tl.bfloat16:
         r = tl.inline_asm_elementwise(
-            _I8_TO_BF16_ASM, "=r,=r,r", [t], dtype=tl.bfloat16, is_pure=True, pack=4
+            _I8_TO_BF16_ASM, "=r,=r,r", [t], dtype=tl.bfloat16, is_pure=False, pack=4
         )
-    elif MODE == "bits" and DTYPE == tl.float16:
-        u = t.to(tl.uint8, bitcast=True).to(tl.uint16)
-        h = ((u ^ 0x80) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + x + 128
-        r = h - tl.full(h.shape, 1152.0, tl.float16)
-    elif MODE == "bits" and DTYPE == tl.bfloat16:
-        u = t.to(tl.uint8, bitcast=True).to(tl.uint32)
-        f = ((u ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # exact x
-        r = (f.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         r = t.to(DTYPE)
     return r
