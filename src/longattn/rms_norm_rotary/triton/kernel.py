@@ -75,6 +75,17 @@ def _rms_norm_rotary_kernel(
     mask_p = mask_n & mask_i[None, :]  # [BLOCK_N, HALF_PAD]
     xa = tl.load(x_row + ch_a[None, :], mask=mask_p, other=0.0).to(tl.float32)
     xb = tl.load(x_row + ch_b[None, :], mask=mask_p, other=0.0).to(tl.float32)
+    # Weight and cos/sin rows are read as full [BLOCK_N, HALF_PAD] tiles (repeats hit L1): they
+    # then share x's register layout (a 1-D load gets its own layout and a shared-memory shuffle
+    # with barriers), and they are issued before the x-dependent reduction.
+    ch_a2 = tl.broadcast_to(ch_a[None, :], (BLOCK_N, HALF_PAD))  # [BLOCK_N, HALF_PAD]
+    ch_b2 = tl.broadcast_to(ch_b[None, :], (BLOCK_N, HALF_PAD))
+    offs_i2 = tl.broadcast_to(offs_i[None, :], (BLOCK_N, HALF_PAD))
+    mask_i2 = tl.broadcast_to(mask_i[None, :], (BLOCK_N, HALF_PAD))
+    wa = tl.load(w_ptr + ch_a2, mask=mask_i2, other=0.0).to(tl.float32)
+    wb = tl.load(w_ptr + ch_b2, mask=mask_i2, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_i2, mask=mask_i2, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + offs_i2, mask=mask_i2, other=0.0).to(tl.float32)
     sumsq = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)  # [BLOCK_N]
     if IS_PARTIAL:
         offs_h = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
@@ -84,17 +95,11 @@ def _rms_norm_rotary_kernel(
         sumsq += tl.sum(xp * xp, axis=1)
     inv_rms = tl.rsqrt(sumsq / HEAD + eps)[:, None]  # [BLOCK_N, 1]
 
-    wa = tl.load(w_ptr + ch_a, mask=mask_i, other=0.0).to(tl.float32)[None, :]  # [1, HALF_PAD]
-    wb = tl.load(w_ptr + ch_b, mask=mask_i, other=0.0).to(tl.float32)[None, :]
     ya = xa * inv_rms * wa  # [BLOCK_N, HALF_PAD]
     yb = xb * inv_rms * wb
     if not EXACT:  # legacy: the normalized value is rounded to x's dtype before the rotation
         ya = ya.to(x_ptr.dtype.element_ty).to(tl.float32)
         yb = yb.to(x_ptr.dtype.element_ty).to(tl.float32)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-    cos = cos[None, :]  # [1, HALF_PAD]
-    sin = sin[None, :]
     out_ty = out_ptr.dtype.element_ty
     tl.store(o_row + ch_a[None, :], (ya * cos - yb * sin).to(out_ty), mask=mask_p)
     tl.store(o_row + ch_b[None, :], (yb * cos + ya * sin).to(out_ty), mask=mask_p)
