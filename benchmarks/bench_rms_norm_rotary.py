@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,8 +20,8 @@ from longattn.rms_norm_rotary.triton.kernel import rms_norm_rotary_triton  # noq
 from longattn.testing import error_stats  # noqa: E402
 
 SHAPES = [(1, 16384, 32, 128), (1, 16384, 16, 256)]
-CONFIGS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
-           (16, 4), (4, 8), (8, 8), (16, 8)]  # fmt: skip
+CONFIGS = [(bn, w, t) for t in (False, True)
+           for bn, w in ((4, 2), (8, 2), (16, 2), (8, 4), (16, 4), (8, 8))]  # fmt: skip
 
 
 def eager_composition(x, w, cos, sin, num_heads, eps=1e-6):
@@ -32,6 +33,24 @@ def eager_composition(x, w, cos, sin, num_heads, eps=1e-6):
     c, sn = cos[:s][None, :, None, :], sin[:s][None, :, None, :]
     x1, x2 = y[..., : h // 2], y[..., h // 2 :]
     return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], -1).to(torch.float16).view(b, s, d)
+
+
+def _graph_and_host_us(fn, args):
+    """(median us of CUDA-graph replays of fn(*args): GPU time alone; host us per eager call,
+    measured over 50 calls issued without waiting: the Python/launch cost alone)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*args)
+    graph_us = _harness.bench(lambda: g.replay(), [()])["median_us"]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fn(*args)
+    host_us = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    return round(graph_us, 2), round(host_us, 2)
 
 
 def bench_shape(b, s, n, h, *, ceil, compiled):
@@ -53,24 +72,26 @@ def bench_shape(b, s, n, h, *, ceil, compiled):
     def api(x):
         return longattn.rms_norm_rotary(x, w, cos, sin, num_heads=n, out_dtype=torch.float16)
 
-    def kernel(x, bn, nw):
+    def kernel(x, bn, nw, tile):
         return rms_norm_rotary_triton(x, w, cos, sin, None, num_heads=n, epsilon=1e-6,
                                       interleaved=False, rotary_offset=0, exact=True,
-                                      out_dtype=torch.float16, block_n=bn, num_warps=nw)  # fmt: skip
+                                      out_dtype=torch.float16, block_n=bn, num_warps=nw,
+                                      tile_tables=tile)  # fmt: skip
 
     t_eager = _harness.bench(lambda x: eager_composition(x, w, cos, sin, n), sets)
     t_comp = _harness.bench(lambda x: compiled(x, w, cos, sin, n), sets)
     t_api = _harness.bench(api, sets)
+    api_graph_us, api_host_us = _graph_and_host_us(api, sets[0])
     best, sweep = None, []
-    for bn, nw in CONFIGS:
+    for bn, nw, tile in CONFIGS:
         if bn <= n:
-            t = _harness.bench(kernel, [(x, bn, nw) for (x,) in sets])
-            sweep.append(f"{bn}/{nw}:{t['median_us']:.1f}")
-            if best is None or t["median_us"] < best[2]["median_us"]:
-                best = (bn, nw, t)
+            t = _harness.bench(kernel, [(x, bn, nw, tile) for (x,) in sets])
+            sweep.append(f"{bn}/{nw}{'T' if tile else ''}:{t['median_us']:.1f}")
+            if best is None or t["median_us"] < best[3]["median_us"]:
+                best = (bn, nw, tile, t)
     rows = []
     for name, t in [("longattn (default config)", t_api),
-                    (f"longattn best (BLOCK_N={best[0]}, warps={best[1]})", best[2]),
+                    (f"longattn best (BLOCK_N={best[0]}, warps={best[1]}, tiled={best[2]})", best[3]),
                     ("torch eager", t_eager), ("torch.compile", t_comp)]:  # fmt: skip
         us = t["median_us"]
         tbs = nbytes / (us * 1e-6) / 1e12
@@ -86,6 +107,9 @@ def bench_shape(b, s, n, h, *, ceil, compiled):
             "rel_rmse_vs_fp64": f"{err:.3e} (floor {floor:.3e})" if "longattn" in name else "",
             "sweep BLOCK_N/warps:us": " ".join(sweep) if "best" in name else "",
         })  # fmt: skip
+        if name.startswith("longattn (default"):
+            rows[-1]["api_graph_us"] = api_graph_us
+            rows[-1]["api_host_us_per_call"] = api_host_us
     print("\n".join(str(r) for r in rows), flush=True)
     return rows
 

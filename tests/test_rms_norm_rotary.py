@@ -330,3 +330,18 @@ def test_all_positions_and_layouts_agree_between_tiers():
             for be in ("reference", "chunked")
         ]
         assert (outs[0] - outs[1]).abs().max() <= 4 * torch.finfo(FP32).eps * outs[0].abs().max()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("h,rot,off,inter", [(64, None, 0, False), (128, 64, 32, True)])
+@pytest.mark.parametrize("tile", [False, True])
+def test_triton_table_layouts_agree(h, rot, off, inter, tile):
+    """Both ways the kernel reads weight/cos/sin rows (TILE_TABLES) give the reference result."""
+    from longattn.rms_norm_rotary.triton.kernel import rms_norm_rotary_triton
+
+    x, w, cos, sin, pos = make_inputs(2, 5, 3, h, rot_dim=rot, dtype=FP16, with_pos=True)
+    kw = dict(num_heads=3, epsilon=1e-6, interleaved=inter, rotary_offset=off, exact=True)
+    out = rms_norm_rotary_triton(x, w, cos, sin, pos, out_dtype=FP16, block_n=2, num_warps=1,
+                                 tile_tables=tile, **kw)  # fmt: skip
+    ref = longattn.rms_norm_rotary(x, w, cos, sin, pos, out_dtype=FP16, backend="reference", **kw)
+    assert (out.float() - ref.float()).abs().max() <= 2 * torch.finfo(FP16).eps * ref.abs().max()

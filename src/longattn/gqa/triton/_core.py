@@ -11,59 +11,10 @@ Conventions shared by every piece:
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from ..._cascade import interpreter_active
-
 LOG2E = 1.4426950408889634
-
-
-def _int8_conversion_mode() -> str:
-    """How int8 cache tiles become dot operands: "asm" (byte-permute magic-number PTX, exact; see
-    ``int8_to_float``) or "cast" (``.to()``, Triton's own conversion, applied after the shared
-    memory load). ``LONGATTN_INT8_CVT`` picks one (read once, at import); the interpreter, which
-    has no inline PTX, always casts."""
-    mode = os.environ.get("LONGATTN_INT8_CVT", "asm").strip().lower()
-    if mode not in ("asm", "cast"):
-        raise ValueError(f"LONGATTN_INT8_CVT must be asm or cast, got {mode!r}")
-    return "cast" if interpreter_active() else mode
-
-
-INT8_CVT = tl.constexpr(_int8_conversion_mode())
-
-# int8 x -> fp16: bytes (x ^ 0x80) = x + 128 land in the low byte of fp16 0x64__ = 1024 + byte,
-# then one packed subtract of 1152 leaves x, exactly (fp16 spacing is 1 in [1024, 2048)).
-# 4 elements per instance: $2 holds 4 int8, $0/$1 two fp16x2.
-_I8_TO_F16_ASM = tl.constexpr("""{
-.reg .b32 t, m;
-xor.b32 t, $2, 0x80808080;
-mov.b32 m, 0x64806480;
-prmt.b32 $0, t, 0x64646464, 0x4140;
-prmt.b32 $1, t, 0x64646464, 0x4342;
-sub.f16x2 $0, $0, m;
-sub.f16x2 $1, $1, m;
-}""")
-
-# int8 x -> bf16: fp32 0x4B0000__ = 2**23 + byte, minus (2**23 + 128) leaves x exactly; x has
-# <= 8 significant bits, so its fp32 high half IS its bf16 (truncation is exact here).
-_I8_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 t;
-.reg .f32 f0, f1, f2, f3;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 f0, t, 0x4B000000, 0x7440;
-prmt.b32 f1, t, 0x4B000000, 0x7441;
-prmt.b32 f2, t, 0x4B000000, 0x7442;
-prmt.b32 f3, t, 0x4B000000, 0x7443;
-sub.f32 f0, f0, 0f4B000080;
-sub.f32 f1, f1, 0f4B000080;
-sub.f32 f2, f2, 0f4B000080;
-sub.f32 f3, f3, 0f4B000080;
-prmt.b32 $0, f0, f1, 0x7632;
-prmt.b32 $1, f2, f3, 0x7632;
-}""")
 
 
 @triton.jit
@@ -180,39 +131,4 @@ def load_kv_tile(
         t = tl.load(ptrs, mask=(offs_n < kv_hi)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    return to_dot(t, DOT_DTYPE)
-
-
-@triton.jit
-def to_dot(t, DOT_DTYPE: tl.constexpr):
-    """A cache tile as a dot operand: float tiles converted (``.to``), int8 tiles turned into
-    exact integers of DOT_DTYPE by ``int8_to_float`` in the process-wide ``INT8_CVT`` mode."""
-    if t.dtype == tl.int8:
-        r = int8_to_float(t, DOT_DTYPE, INT8_CVT)
-    else:
-        r = t.to(DOT_DTYPE)
-    return r
-
-
-@triton.jit
-def int8_to_float(t, DTYPE: tl.constexpr, MODE: tl.constexpr):
-    """int8 tile -> the same integers in DTYPE (exact: -128..127 fit fp16, bf16 and fp32).
-
-    "asm" (fp16/bf16) converts in the tile's load layout with the magic-number PTX above. It is
-    declared impure on purpose: Triton would otherwise sink a pure conversion below the shared
-    memory load into the dot-operand layout, where V's int8 elements (key-major for the P.V
-    MMA) come out of shared memory one byte at a time. Kept here, the int8 tile arrives by
-    16-byte async copies and the converted 16-bit tile is transposed by ldmatrix, as a 16-bit
-    cache is. "cast" (and fp32) use ``.to``.
-    """
-    if MODE == "asm" and DTYPE == tl.float16:
-        r = tl.inline_asm_elementwise(
-            _I8_TO_F16_ASM, "=r,=r,r", [t], dtype=tl.float16, is_pure=False, pack=4
-        )
-    elif MODE == "asm" and DTYPE == tl.bfloat16:
-        r = tl.inline_asm_elementwise(
-            _I8_TO_BF16_ASM, "=r,=r,r", [t], dtype=tl.bfloat16, is_pure=False, pack=4
-        )
-    else:
-        r = t.to(DTYPE)
-    return r
+    return t.to(DOT_DTYPE)

@@ -32,7 +32,6 @@ from ...gqa.triton._core import (
     normalize,
     online_softmax_step,
     scores,
-    to_dot,
 )
 from ._schedule import pick, schedule
 
@@ -85,7 +84,7 @@ def load_paged_tile(
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    return to_dot(t, DOT_DTYPE)
+    return t.to(DOT_DTYPE)
 
 
 @triton.jit

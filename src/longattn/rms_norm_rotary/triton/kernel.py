@@ -14,6 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _table_row(ptrs, mask, BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, TILE: tl.constexpr):
+    """fp32 values of a [HALF_PAD] row of pointers: [BLOCK_N, HALF_PAD] (TILE) or [1, HALF_PAD]."""
+    if TILE:  # the same row for every head
+        p2 = tl.broadcast_to(ptrs[None, :], (BLOCK_N, HALF_PAD))
+        r = tl.load(p2, mask=tl.broadcast_to(mask[None, :], (BLOCK_N, HALF_PAD)), other=0.0)
+    else:
+        r = tl.load(ptrs, mask=mask, other=0.0)[None, :]
+    return r.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_rotary_kernel(
     x_ptr,
     w_ptr,
@@ -43,6 +54,7 @@ def _rms_norm_rotary_kernel(
     HAS_POS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     EXACT: tl.constexpr,
+    TILE_TABLES: tl.constexpr,
 ):
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
@@ -75,17 +87,13 @@ def _rms_norm_rotary_kernel(
     mask_p = mask_n & mask_i[None, :]  # [BLOCK_N, HALF_PAD]
     xa = tl.load(x_row + ch_a[None, :], mask=mask_p, other=0.0).to(tl.float32)
     xb = tl.load(x_row + ch_b[None, :], mask=mask_p, other=0.0).to(tl.float32)
-    # Weight and cos/sin rows are read as full [BLOCK_N, HALF_PAD] tiles (repeats hit L1): they
-    # then share x's register layout (a 1-D load gets its own layout and a shared-memory shuffle
-    # with barriers), and they are issued before the x-dependent reduction.
-    ch_a2 = tl.broadcast_to(ch_a[None, :], (BLOCK_N, HALF_PAD))  # [BLOCK_N, HALF_PAD]
-    ch_b2 = tl.broadcast_to(ch_b[None, :], (BLOCK_N, HALF_PAD))
-    offs_i2 = tl.broadcast_to(offs_i[None, :], (BLOCK_N, HALF_PAD))
-    mask_i2 = tl.broadcast_to(mask_i[None, :], (BLOCK_N, HALF_PAD))
-    wa = tl.load(w_ptr + ch_a2, mask=mask_i2, other=0.0).to(tl.float32)
-    wb = tl.load(w_ptr + ch_b2, mask=mask_i2, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_i2, mask=mask_i2, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs_i2, mask=mask_i2, other=0.0).to(tl.float32)
+    # Weight and cos/sin rows, issued before the x-dependent reduction. TILE_TABLES: read as full
+    # [BLOCK_N, HALF_PAD] tiles (repeats hit L1) that share x's register layout; else as 1-D rows
+    # (their own layout, moved into x's through shared memory).
+    wa = _table_row(w_ptr + ch_a, mask_i, BLOCK_N, HALF_PAD, TILE_TABLES)  # [BLOCK_N | 1, HALF_PAD]
+    wb = _table_row(w_ptr + ch_b, mask_i, BLOCK_N, HALF_PAD, TILE_TABLES)
+    cos = _table_row(cos_ptr + pos * stride_cos + offs_i, mask_i, BLOCK_N, HALF_PAD, TILE_TABLES)
+    sin = _table_row(sin_ptr + pos * stride_sin + offs_i, mask_i, BLOCK_N, HALF_PAD, TILE_TABLES)
     sumsq = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)  # [BLOCK_N]
     if IS_PARTIAL:
         offs_h = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
@@ -108,21 +116,21 @@ def _rms_norm_rotary_kernel(
         tl.store(o_row + offs_h[None, :], (xp * inv_rms * wp).to(out_ty), mask=mask_h)
 
 
-def _launch_config(num_heads: int, head: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) from the latest H200 sweep (benchmarks/results/rms_norm_rotary.md,
-    kernel launched directly, [1, 16384, N x H] bf16 -> fp16):
+def _launch_config(num_heads: int, head: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_warps, TILE_TABLES) from the H200 sweeps (benchmarks/results/
+    rms_norm_rotary.md, kernel launched directly, [1, 16384, N x H] bf16 -> fp16):
 
-    - H <= 128: 1K-element tiles on 2 warps (32x128: BLOCK_N=8/2 warps 71.6 us = 90% of copy
-      bandwidth, vs 98.4 us at 8/4 and 85-320 us elsewhere);
-    - H >= 256: 2K-element tiles on 8 warps (16x256: 8/8 104.8 us, vs 112-163 us elsewhere).
-    Earlier runs ranked 8/4 first for 32x128 (75 us): run-to-run spread is ~20%, so re-sweep
-    when the kernel changes.
+    - H <= 128: 1K-element tiles on 2 warps, 1-D table rows (32x128: BLOCK_N=8/2 warps 71.6 us
+      = 90% of copy bandwidth; with tiled table rows 102.7 us);
+    - H >= 256: 2K-element tiles on 2 warps, tiled table rows (16x256: 8/2 73.3 us = 91%; with
+      1-D rows the best was 8/8 at 104.8 us).
+    Run-to-run spread is up to ~20%: re-sweep when the kernel changes.
     """
     head_pad = triton.next_power_of_2(head)
     heads_pad = triton.next_power_of_2(num_heads)
     if head_pad <= 128:
-        return max(1, min(heads_pad, 1024 // head_pad)), 2
-    return max(1, min(heads_pad, 2048 // head_pad)), 8
+        return max(1, min(heads_pad, 1024 // head_pad)), 2, False
+    return max(1, min(heads_pad, 2048 // head_pad)), 2, True
 
 
 def rms_norm_rotary_triton(
@@ -140,6 +148,7 @@ def rms_norm_rotary_triton(
     out_dtype: torch.dtype,
     block_n: int | None = None,
     num_warps: int | None = None,
+    tile_tables: bool | None = None,
 ) -> torch.Tensor:
     """x [B, S, N*H] (last dim contiguous) -> new [B, S, N*H] tensor in out_dtype."""
     b, s, d = x.shape
@@ -147,9 +156,10 @@ def rms_norm_rotary_triton(
     out = torch.empty((b, s, d), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
-    cfg_n, cfg_w = _launch_config(num_heads, head)
+    cfg_n, cfg_w, cfg_t = _launch_config(num_heads, head)
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_w
+    tile_tables = cfg_t if tile_tables is None else tile_tables
     pos = position_ids if position_ids is not None else x  # dummy pointer when HAS_POS is False
     grid = (b * s, triton.cdiv(num_heads, block_n))
     _rms_norm_rotary_kernel[grid](
@@ -181,6 +191,7 @@ def rms_norm_rotary_triton(
         HAS_POS=position_ids is not None,
         INTERLEAVED=interleaved,
         EXACT=exact,
+        TILE_TABLES=tile_tables,
         num_warps=num_warps,
     )
     return out

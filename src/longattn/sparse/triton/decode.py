@@ -37,7 +37,6 @@ import triton.language as tl
 from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
-from ...gqa.triton._core import to_dot
 from .._params import DSAParams
 
 LOG2E = 1.4426950408889634
@@ -108,7 +107,7 @@ def _attend_tile(
     pos = tl.where(ok, pos, 0).to(tl.int32)
     ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
     k = tl.load(k_base + (pos[:, None] * stride_kc + offs_d[None, :]), mask=ld_mask, other=0)
-    qk = tl.dot(q.to(QK_DTYPE), tl.trans(to_dot(k, QK_DTYPE)), input_precision=QK_PREC)
+    qk = tl.dot(q.to(QK_DTYPE), tl.trans(k.to(QK_DTYPE)), input_precision=QK_PREC)
     s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N] log2 domain
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [G_PAD]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,7 +115,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])  # [G_PAD, BLOCK_N], 0 where masked
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
-    pv = tl.dot(p.to(PV_DTYPE), to_dot(v, PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
+    pv = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
