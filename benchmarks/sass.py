@@ -1,0 +1,146 @@
+"""Compile a Triton kernel for sm_90 on any machine (no GPU needed) and summarize its SASS.
+
+Triton's wheel ships ptxas and nvdisasm, so the exact Hopper machine code of a kernel can be read
+on the CPU box: instruction mix per loop, load/store widths, shared-memory traffic, barriers.
+That is how to check a kernel change before spending GPU time (e.g. "are the K/V loads 16-byte
+cp.async?", "did the softmax lose an FMUL per logit?").
+
+    python benchmarks/sass.py gqa-prefill [--set HAS_SOFTCAP=True] [--warps 8 --stages 3]
+    python benchmarks/sass.py gqa-decode --set BLOCK_N=128 --cache i8
+    python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
+
+Pointer arguments and ``stride_*`` arguments get Triton's runtime divisibility-by-16
+specialization (as real launches of contiguous tensors do); without it every load would look
+scalar. Prints the whole-kernel histogram and one per backward-branch loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real even where tests set it
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+_INS = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
+_OP = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def compile_sass(fn, types: dict, constexprs: dict, *, num_warps=4, num_stages=3, cc=90) -> dict:
+    """{"sass", "ttgir", "ptx", "shared"} of ``fn`` built for sm_<cc>; non-constexpr arguments
+    not in ``types`` are i32 (``*_ptr``: *fp32)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name) or ("*fp32" if name.endswith("_ptr") else "i32")
+        if name.endswith("_ptr") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    opts = dict(num_warps=num_warps, num_stages=num_stages)
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
+    path = f"/tmp/longattn_sass_{os.getpid()}.cubin"
+    with open(path, "wb") as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([_NVDISASM, "-c", path], capture_output=True, text=True).stdout
+    os.remove(path)
+    return dict(sass=sass, ttgir=k.asm["ttgir"], ptx=k.asm["ptx"], shared=k.metadata.shared)
+
+
+def histogram(sass: str) -> Counter:
+    return Counter(_OP.match(m.group(2)).group(1) for m in _INS.finditer(sass))
+
+
+def loops(sass: str) -> list[Counter]:
+    """Instruction histograms of the loops (a backward branch to a label), largest first."""
+    ins, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            pending = m.group(1)
+            continue
+        m = _INS.search(line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+            if pending:
+                labels[pending], pending = ins[-1][0], None
+    out = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)
+        if m and labels.get(m.group(1), addr + 1) < addr:
+            lo = labels[m.group(1)]
+            out.append(Counter(_OP.match(t).group(1) for a, t in ins if lo <= a <= addr))
+    return sorted(out, key=lambda c: -sum(c.values()))
+
+
+def memory_ops(sass: str) -> Counter:
+    return Counter(re.findall(r"\b((?:LDG|STG|LDS|STS|LDSM|LDGSTS|BAR)[A-Z0-9._]*)", sass))
+
+
+def _presets(cache: str):
+    from longattn.gqa.triton.decode import gqa_decode_split_kernel
+    from longattn.gqa.triton.prefill import gqa_prefill_kernel
+    from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
+
+    attn_types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
+                  "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
+                  "softcap_mult": "fp32"}  # fmt: skip
+    flags = dict(IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_BIAS=False,
+                 HAS_VSCALE=cache == "i8", DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32",
+                 INTERPRET=False)  # fmt: skip
+    return {
+        "gqa-prefill": (gqa_prefill_kernel, attn_types,
+                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_M=128, BLOCK_N=128,
+                             HAS_SINK=False, SINK_FROM_PTR=False, **flags), 8, 3),
+        "gqa-decode": (gqa_decode_split_kernel, attn_types,
+                       dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
+                            **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
+        "rms": (_rms_norm_rotary_kernel,
+                {"x_ptr": "*bf16", "out_ptr": "*fp16", "pos_ptr": "*bf16", "eps": "fp32"},
+                dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, HALF_PAD=64, BLOCK_N=8, ROT_OFF=0,
+                     ROT_DIM=128, IS_PARTIAL=False, HAS_POS=False, INTERLEAVED=False,
+                     EXACT=True, TILE_TABLES=False), 2, 1),
+    }  # fmt: skip
+
+
+def _value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return getattr(tl, text) if hasattr(tl, text) else text
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "rms"])
+    ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
+    ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
+    ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None)
+    args = ap.parse_args(argv)
+    fn, types, ce, warps, stages = _presets(args.cache)[args.kernel]
+    for item in filter(None, args.set.split(",")):
+        name, val = item.split("=")
+        ce[name] = _value(val)
+    res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
+                       num_stages=args.stages or stages)  # fmt: skip
+    hist = histogram(res["sass"])
+    print(f"{args.kernel}: {sum(hist.values())} instructions, shared {res['shared']} B")
+    print("  memory:", dict(memory_ops(res["sass"])))
+    for i, c in enumerate(loops(res["sass"])):
+        print(f"  loop {i}: {sum(c.values())} instructions:", dict(c.most_common(14)))
+    return res
+
+
+if __name__ == "__main__":
+    main()
