@@ -372,8 +372,9 @@ def _peer_check(name, peer_out, ours_out, row):
         print(f"    WARNING: {name} differs from ours by {diff}", flush=True)
 
 
-def features(rows, names=None, phases=("prefill", "decode")):
-    """``names``: subset of FEATURES' names (default all); ``phases``: prefill and/or decode."""
+def features(rows, names=None, phases=("prefill", "decode"), peer_names=None):
+    """``names``: subset of FEATURES' names (default all); ``phases``: prefill and/or decode;
+    ``peer_names``: prefill peers to run (default flex and, for windows, sdpa_mask; [] = none)."""
     h = 128
     feats = [(n, f) for n, f in FEATURES if names is None or n in names]
     # Prefill: the attention kernel alone (ours) vs flex / SDPA on the same rotated Q and caches.
@@ -392,6 +393,8 @@ def features(rows, names=None, phases=("prefill", "decode")):
         peers = {"flex": _flex_peer}  # factories: building a peer may fail too
         if p.local_window_size > 0:
             peers["sdpa_mask"] = _sdpa_window_peer
+        if peer_names is not None:
+            peers = {k: v for k, v in peers.items() if k in peer_names}
         for name, make in peers.items():
             try:
                 fn = make(p, total, s, s)
@@ -444,8 +447,10 @@ def main():
     ap.add_argument("--sections", default="prefill,decode,cache,features")
     ap.add_argument("--features", default=None, help="features section: e.g. softcap50,window")
     ap.add_argument("--phases", default="prefill,decode", help="features section phases")
+    ap.add_argument("--peers", default=None, help="features prefill peers, e.g. flex (none: ours)")
     args = ap.parse_args()
     feature_names = args.features.split(",") if args.features else None
+    peer_names = None if args.peers is None else [x for x in args.peers.split(",") if x != "none"]
     torch.manual_seed(0)
     meta = gpu_meta()
     ceil = measure_ceilings()
@@ -471,7 +476,7 @@ def main():
         ("prefill", lambda: prefill(rows, best)),
         ("decode", lambda: decode(rows, best, copy_tbs)),
         ("cache", lambda: cache_dtypes(rows, copy_tbs)),
-        ("features", lambda: features(rows, feature_names, args.phases.split(","))),
+        ("features", lambda: features(rows, feature_names, args.phases.split(","), peer_names)),
     ):
         if name not in sections:
             continue
