@@ -17,12 +17,15 @@ scalar. Prints the whole-kernel histogram and one per backward-branch loop.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
+import sys
 from collections import Counter
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real even where tests set it
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("benchmarks/sass.py compiles real kernels: run it without TRITON_INTERPRET")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -127,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = ap.parse_args(argv)
     fn, types, ce, warps, stages = _presets(args.cache)[args.kernel]
     for item in filter(None, args.set.split(",")):
@@ -135,6 +139,18 @@ def main(argv=None):
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
                        num_stages=args.stages or stages)  # fmt: skip
     hist = histogram(res["sass"])
+    if args.json:
+        print(
+            json.dumps(
+                dict(
+                    total=sum(hist.values()),
+                    shared=res["shared"],
+                    memory=memory_ops(res["sass"]),
+                    loops=loops(res["sass"]),
+                )
+            )
+        )
+        return res
     print(f"{args.kernel}: {sum(hist.values())} instructions, shared {res['shared']} B")
     print("  memory:", dict(memory_ops(res["sass"])))
     for i, c in enumerate(loops(res["sass"])):
