@@ -70,6 +70,20 @@ def bench(
     }
 
 
+def graph_bench(fn: Callable[..., object], arg_sets: Sequence[tuple], **kw) -> dict:
+    """``bench`` of CUDA-graph replays of ``fn(*args)``, one graph per input set (captured after
+    one warm-up call, which also compiles): GPU time without Python launch overhead."""
+    graphs = []
+    for args in arg_sets:
+        fn(*args)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append((g,))
+    return bench(lambda g: g.replay(), graphs, **kw)
+
+
 def gpu_meta() -> dict:
     import triton
 

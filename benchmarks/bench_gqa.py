@@ -32,7 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import flex_peers  # noqa: E402
-from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from _harness import (  # noqa: E402
+    bench,
+    copies_for_l2,
+    gpu_meta,
+    graph_bench,
+    measure_ceilings,
+    write_results,
+)
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.gqa._params import GQAParams  # noqa: E402
 from longattn.gqa.triton import launch  # noqa: E402
@@ -87,15 +94,7 @@ def _graph_time_or_none(fn, sets):
     """Median microseconds of CUDA-graph replays of ``fn`` (one graph per input set): the GPU
     time without Python launch overhead, as a graph-captured decode loop sees it."""
     try:
-        graphs = []
-        for args in sets:
-            fn(*args)  # warm up / compile outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn(*args)
-            graphs.append((g,))
-        return bench(lambda g: g.replay(), graphs)["median_us"]
+        return graph_bench(fn, sets)["median_us"]
     except Exception as exc:
         print(f"    graph n/a: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import flex_peers  # noqa: E402
-from _harness import bench, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from _harness import gpu_meta, graph_bench, measure_ceilings, write_results  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.gqa._params import GQAParams  # noqa: E402
 from longattn.gqa.triton.launch import gqa_triton  # noqa: E402
@@ -49,12 +49,7 @@ BF16 = torch.bfloat16
 def _graph_us(fn, args):
     """Median microseconds of CUDA-graph replays of ``fn(*args)``, or None if it fails."""
     try:
-        fn(*args)  # compile / warm up outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(*args)
-        return bench(lambda: g.replay(), [()], warmup=3)["median_us"]
+        return graph_bench(fn, [args], warmup=3)["median_us"]
     except Exception as exc:  # a peer that rejects the shape
         print(f"    n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
         torch.cuda.synchronize()

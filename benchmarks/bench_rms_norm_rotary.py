@@ -38,12 +38,7 @@ def eager_composition(x, w, cos, sin, num_heads, eps=1e-6):
 def _graph_and_host_us(fn, args):
     """(median us of CUDA-graph replays of fn(*args): GPU time alone; host us per eager call,
     measured over 50 calls issued without waiting: the Python/launch cost alone)."""
-    fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(*args)
-    graph_us = _harness.bench(lambda: g.replay(), [()])["median_us"]
+    graph_us = _harness.graph_bench(fn, [args])["median_us"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(50):

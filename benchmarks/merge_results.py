@@ -19,9 +19,9 @@ from _harness import RESULTS_DIR, write_results  # noqa: E402
 
 
 def merge(new: dict, old: dict | None, note: str | None) -> dict:
+    if old is None:  # nothing kept yet: the new run as it is, with the note
+        return dict(new, notes=list(new.get("notes", [])) + ([note] if note else []))
     sections = sorted({str(r.get("section", "")) for r in new["rows"]})
-    if old is None:
-        return new
     rows = [r for r in old["rows"] if str(r.get("section", "")) not in sections] + new["rows"]
     meta = dict(old["meta"])
     meta["run_" + "+".join(s or "results" for s in sections)] = json.dumps(

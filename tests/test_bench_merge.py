@@ -23,3 +23,11 @@ def test_merge_replaces_only_new_sections(tmp_path):
     assert got["notes"] == ["n1", "n2", "run 2"]
     md = (tmp_path / "x.md").read_text()
     assert "## a" in md and "## b" in md and "| 3 |" in md
+
+
+def test_merge_into_nothing_keeps_the_note(tmp_path):
+    new = dict(op="y", meta={"gpu": "B"}, notes=["n2"], rows=[{"section": "b", "v": 3}])
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--note", "run 1"])
+    got = json.loads((tmp_path / "y.json").read_text())
+    assert got["rows"] == new["rows"] and got["notes"] == ["n2", "run 1"]

@@ -57,15 +57,15 @@ def scores(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
     if HAS_SOFTCAP:
         s = softcap_log2(qk, qk_scale, softcap_mult)
-        if HAS_BIAS:
-            s = s + bias * 1.4426950408889634
         unit = 1.0
     elif HAS_BIAS:
-        s = qk * qk_scale + bias * 1.4426950408889634
+        s = qk * qk_scale
         unit = 1.0
     else:
         s = qk
         unit = qk_scale
+    if HAS_BIAS:
+        s = s + bias * 1.4426950408889634
     return s, unit
 
 

@@ -273,8 +273,10 @@ def paged_attention_triton(
     # Ragged decode batches balance better with more, smaller items than "fill the SMs" gives:
     # H200, ragged T 1K..64K, bs 64: B=64 2654 us at the SM target (66 items/KV head) vs 2203 us
     # at 528 (4.27 TB/s, 1.04x contiguous GQA); B=8 best at 66 (379 us; 450 us at 528).
-    extra_d = max(target, min(DECODE_ITEMS_PER_SEQ * batch, MAX_DECODE_EXTRA))
-    extra_d = extra_d if decode_splits is None else decode_splits
+    if decode_splits is None:
+        extra_d = max(target, min(DECODE_ITEMS_PER_SEQ * batch, MAX_DECODE_EXTRA))
+    else:
+        extra_d = decode_splits
     run_attention(*args, flavor="decode", rows=rows_d, tok_m=tok_d, dec_tok=tok_d, cfg=cfg_d,
                   extra=extra_d, min_chunk=min_chunk,
                   grid_items=min(batch, tokens) + extra_d)  # fmt: skip
