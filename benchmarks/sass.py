@@ -7,6 +7,7 @@ cp.async?", "did the softmax lose an FMUL per logit?").
 
     python benchmarks/sass.py gqa-prefill [--set HAS_SOFTCAP=True] [--warps 8 --stages 3]
     python benchmarks/sass.py gqa-decode --set BLOCK_N=128 --cache i8
+    python benchmarks/sass.py dsa-decode --set BLOCK_N=64
     python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
 
 Pointer arguments and ``stride_*`` arguments get Triton's runtime divisibility-by-16
@@ -86,13 +87,14 @@ def loops(sass: str) -> list[Counter]:
 
 
 def memory_ops(sass: str) -> Counter:
-    return Counter(re.findall(r"\b((?:LDG|STG|LDS|STS|LDSM|LDGSTS|BAR)[A-Z0-9._]*)", sass))
+    return Counter(re.findall(r"\b((?:LDG|STG|LDS|STS|LDSM|LDGSTS|LDL|STL|BAR)[A-Z0-9._]*)", sass))
 
 
 def _presets(cache: str):
     from longattn.gqa.triton.decode import gqa_decode_split_kernel
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
+    from longattn.sparse.triton.decode import dsa_split_kernel
 
     attn_types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
                   "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
@@ -107,6 +109,16 @@ def _presets(cache: str):
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
+        "dsa-decode": (dsa_split_kernel,
+                       {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va")},
+                        "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}", "sel_ptr": "*i32",
+                        "cnt_ptr": "*i32", "seqlens_ptr": "*i32", "qk_scale": "fp32"},
+                       dict(NUM_HEADS=24, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16, BLOCK_N=32,
+                            IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
+                            HAS_VSCALE=cache == "i8", INTERPRET=False,
+                            **{f"{a}_{b}_{c}": (tl.bfloat16 if c == "DTYPE" else "tf32")
+                               for a in ("MAIN", "SEL") for b in ("QK", "PV")
+                               for c in ("DTYPE", "PREC")}), 4, 3),
         "rms": (_rms_norm_rotary_kernel,
                 {"x_ptr": "*bf16", "out_ptr": "*fp16", "pos_ptr": "*bf16", "eps": "fp32"},
                 dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, HALF_PAD=64, BLOCK_N=8, ROT_OFF=0,
@@ -125,7 +137,7 @@ def _value(text: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "rms"])
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms"])
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)

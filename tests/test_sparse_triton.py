@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from longattn._attention_torch import (
     contiguous_positions,
@@ -385,6 +386,38 @@ def test_dsa_split_counts_agree(num_splits):
     want = run(kw, backend="reference")[0]
     got = _run_with_splits(kw, num_splits)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+@interpret
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("splits,head,block_d", [(5, 64, 16), (37, 80, 32), (3, 32, 32)])
+def test_dsa_merge_kernel_tiles(splits, head, block_d, sink):
+    """The merge over channel tiles (BLOCK_D < HEAD, a padded last tile) equals a float64
+    log-sum-exp merge; an all-empty row gives zeros (or zeros with a sink)."""
+    g = torch.Generator().manual_seed(splits)
+    rn, n = 6, 3
+    o_part = torch.randn(rn, splits, head, generator=g, dtype=torch.float64)
+    lse = 4 * torch.randn(rn, splits, generator=g, dtype=torch.float64)
+    lse[1, ::2] = -math.inf  # empty splits
+    o_part[1, ::2] = 0.0
+    lse[4] = -math.inf  # nothing valid in the row
+    o_part[4] = 0.0
+    sink_v = torch.randn(n, generator=g, dtype=torch.float64)
+    out = nan_tensor((rn, head), torch.float32, DEV)
+    decode.dsa_merge_kernel[(rn, triton.cdiv(head, block_d))](
+        o_part_ptr=o_part.float().to(DEV), lse_part_ptr=lse.float().to(DEV),
+        sink_ptr=sink_v.float().to(DEV), o_ptr=out, NUM_HEADS=n, HEAD=head,
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        HAS_SINK=sink, SINK_FROM_PTR=sink,
+    )  # fmt: skip
+    logits = lse * math.log(2.0)
+    if sink:
+        sink_col = sink_v[torch.arange(rn) % n][:, None]
+        logits = torch.cat([logits, sink_col], dim=1)
+    w = torch.softmax(logits, dim=1)[:, :splits].nan_to_num(0.0)
+    want = (w[:, :, None] * o_part).sum(1)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[4].cpu(), torch.zeros(head))
 
 
 def _run_with_splits(kw, num_splits, prologue=None):

@@ -51,6 +51,8 @@ def check_tensor(
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     """Device equality where an index-less ``cuda`` means the current CUDA device."""
+    if a == b:  # the common case (two tensors' devices): no device construction
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -17,7 +17,8 @@ loads: NaN in unused cache rows cannot leak). Logits are in the log2 domain (the
 ``log2(e)`` into the scale), softmax in fp32 with ``exp2``. Partials: ``o_part [R, N, splits,
 HEAD]`` fp32 (normalized over the split) and ``lse_part [R, N, splits]`` (log2; -inf if empty).
 
-``dsa_merge_kernel`` grid: (R * N,). Merges the splits by log-sum-exp; the sink (``head_sink`` or
+``dsa_merge_kernel`` grid: (R * N, cdiv(HEAD, BLOCK_D)). Merges the splits by log-sum-exp, all
+of them in one ``[SPLITS_PAD, BLOCK_D]`` load; the sink (``head_sink`` or
 the ``smooth_softmax`` zero logit) enters the denominator exactly once; one rounding to the output
 dtype. A row with nothing valid gives zeros (with or without a sink).
 
@@ -261,19 +262,21 @@ def dsa_merge_kernel(
     o_ptr,  # [B*S, N, HEAD] output dtype, contiguous
     NUM_HEADS: tl.constexpr,
     HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # channels per program (SPLITS_PAD * BLOCK_D fp32 in registers)
     HAS_SINK: tl.constexpr,
     SINK_FROM_PTR: tl.constexpr,
 ):
     rn = tl.program_id(0).to(tl.int64)  # row * N + n
     offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
-    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_p = offs_p < NUM_SPLITS
     mask_d = offs_d < HEAD
-    lse = tl.load(
-        lse_part_ptr + rn * NUM_SPLITS + offs_p, mask=offs_p < NUM_SPLITS, other=float("-inf")
-    )
+    lse = tl.load(lse_part_ptr + rn * NUM_SPLITS + offs_p, mask=mask_p, other=float("-inf"))
+    # every split's partial tile in one load (no serial loop over the splits)
+    o_ptrs = o_part_ptr + (rn * NUM_SPLITS + offs_p)[:, None] * HEAD + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
     m = tl.max(lse, 0)
     if HAS_SINK:
         if SINK_FROM_PTR:
@@ -282,16 +285,19 @@ def dsa_merge_kernel(
             sink2 = 0.0
         m = tl.maximum(m, sink2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.sum(tl.exp2(lse - m_safe), 0)
+    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD], 0 for empty splits
+    den = tl.sum(w, 0)
     if HAS_SINK:
         den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
-    out = tl.zeros([HEAD_PAD], dtype=tl.float32)
-    for sp in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_part_ptr + rn * NUM_SPLITS + sp) - m_safe)  # 0 for empty
-        o = tl.load(o_part_ptr + (rn * NUM_SPLITS + sp) * HEAD + offs_d, mask=mask_d, other=0.0)
-        out += w * o
+    out = tl.sum(o * w[:, None], 0)  # [BLOCK_D]
     out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
     tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+def merge_block_d(head_pad: int, splits_pad: int) -> int:
+    """Channels per merge program: the ``[SPLITS_PAD, BLOCK_D]`` fp32 tile stays <= 8K values
+    (64 registers per thread at 4 warps)."""
+    return max(16, min(head_pad, 8192 // splits_pad))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,18 +541,20 @@ def dsa_triton(
         INTERPRET=_interpret(),
         **cfg,
     )
-    dsa_merge_kernel[(rows * n,)](
+    splits_pad = triton.next_power_of_2(splits)
+    block_d = merge_block_d(max(16, triton.next_power_of_2(h)), splits_pad)
+    dsa_merge_kernel[(rows * n, triton.cdiv(h, block_d))](
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         sink_ptr=p.head_sink if p.head_sink is not None else lse_part,
         o_ptr=out,
         NUM_HEADS=n,
         HEAD=h,
-        HEAD_PAD=max(16, triton.next_power_of_2(h)),
         NUM_SPLITS=splits,
-        SPLITS_PAD=triton.next_power_of_2(splits),
+        SPLITS_PAD=splits_pad,
+        BLOCK_D=block_d,
         HAS_SINK=p.head_sink is not None or p.smooth_softmax,
         SINK_FROM_PTR=p.head_sink is not None,
-        num_warps=4 if h >= 128 else 2,
+        num_warps=4,
     )
     return out

@@ -1,0 +1,91 @@
+"""Host (Python + launch) cost of eager public-op calls, and where it goes (GPU machine).
+
+    PYTHONPATH=src python benchmarks/profile_host.py --out $OUT
+
+For each op call (no host sync inside: inputs without data checks), times ``N`` eager calls
+issued back to back (``perf_counter``; the GPU queue absorbs the kernels) and writes a cProfile
+table (sorted by own time) of those calls to ``profile_host.txt``; one JSON line per op to
+``profile_host.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import longattn  # noqa: E402
+
+N = 300
+
+
+def _rms_call():
+    n, h = 32, 128
+    x = torch.randn(1, 16, n * h, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(h, device="cuda")
+    cos, sin = longattn.rope_cache(4096, h, device="cuda")
+    return lambda: longattn.rms_norm_rotary(x, w, cos, sin, num_heads=n, out_dtype=torch.float16)
+
+
+def _gqa_decode_call():
+    b, n, kv, h, cap = 1, 32, 8, 128, 4096
+    q = torch.randn(b, 1, n * h, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, 1, kv * h, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pk = torch.randn(b, kv, cap, h, device="cuda", dtype=torch.bfloat16)
+    pv = torch.randn_like(pk)
+    seqlens = torch.full((b,), 2047, dtype=torch.int32, device="cuda")
+    return lambda: longattn.group_query_attention(
+        q, k, v, pk, pv, seqlens_k=seqlens, total_sequence_length=2048, num_heads=n,
+        kv_num_heads=kv,
+    )  # fmt: skip
+
+
+CALLS = {"rms_norm_rotary": _rms_call, "gqa_decode": _gqa_decode_call}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    text = io.StringIO()
+    lines = []
+    for name, make in CALLS.items():
+        fn = make()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(N):
+            fn()
+        host_us = (time.perf_counter() - t0) / N * 1e6
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(N):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        sio = io.StringIO()
+        pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(30)
+        print(f"== {name}: {host_us:.1f} us per eager call (host)", file=text)
+        print(sio.getvalue(), file=text)
+        lines.append(json.dumps(dict(op=name, host_us_per_call=round(host_us, 2))))
+        print(lines[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_host.txt").write_text(text.getvalue())
+    (out / "profile_host.json").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Where a sparse layer step's time goes (H200): per-kernel GPU times and host overhead.
+
+    PYTHONPATH=src python benchmarks/profile_sparse.py --out $OUT
+
+For each (B, S) at T = 128K (geometry of ``bench_sparse.py``):
+- ``kernels``: torch.profiler over 20 eager layer steps (indexer + DSA): every GPU kernel's
+  mean duration per step, in launch order, and their sum;
+- ``graph``: the same step timed as a one-step CUDA graph replayed once per timing (what
+  ``bench_sparse`` reports: GPU time + the replay's launch latency) and as a graph of
+  ``STEPS`` back-to-back steps over distinct layers (as in a model's decode graph: each layer
+  its own cache and block keys), divided by ``STEPS``;
+- ``host``: cProfile of eager layer steps at B=1, S=1 (top functions by cumulative time).
+Writes ``profile_sparse.json`` and ``profile_sparse.txt`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import io
+import json
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import bench_sparse as bs  # noqa: E402
+from _harness import bench, gpu_meta  # noqa: E402
+
+T = 131072
+STEPS = 8
+
+
+def kernel_table(fn, n=20):
+    """Mean GPU time per call of every kernel ``fn`` launches (profiler), launch order."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(ev.name, [0.0, 0, len(rows)])
+            r[0] += ev.device_time
+            r[1] += 1
+    out = [dict(kernel=k[:90], us_per_step=round(v[0] / n, 2), launches_per_step=v[1] / n)
+           for k, v in sorted(rows.items(), key=lambda kv: kv[1][2])]  # fmt: skip
+    return out, round(sum(r["us_per_step"] for r in out), 2)
+
+
+def multi_step_graph_us(steps):
+    """GPU time per step of one CUDA graph running ``steps`` (callables) back to back."""
+    for f in steps:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in steps:
+            f()
+    t = bench(lambda: g.replay(), [()], min_time_s=0.2)["median_us"]
+    return t / len(steps)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--configs", default="1x1,4x1,1x8,4x8")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    out = dict(meta=gpu_meta(), configs=[])
+    text = io.StringIO()
+    cap = T + 64
+    for cfg in args.configs.split(","):
+        b, s = map(int, cfg.split("x"))
+        layers = [bs.Layer(b, cap, torch.bfloat16) for _ in range(STEPS)]
+        sets = [bs._inputs(ly, s, T, 1, bs.BUDGET) for ly in layers]  # (seqlens, [x])
+        ly0, (seqlens0, xs0) = layers[0], sets[0]
+        x0 = xs0[0]
+
+        def step(ly=ly0, sq=seqlens0, x=x0):
+            return bs._layer_step(ly, x, sq, T, bs.BUDGET)
+
+        def dense(ly=ly0, sq=seqlens0, x=x0):
+            return bs._dense(ly, x, sq, T)
+
+        kt, total = kernel_table(step)
+        kd, total_d = kernel_table(dense)
+        one = bs._graph_time(functools.partial(bs._layer_step_x, ly0, seqlens0, T, bs.BUDGET), xs0)
+        steps = [
+            (lambda ly=ly, sq=sq, x=xs[0]: bs._layer_step(ly, x, sq, T, bs.BUDGET))
+            for ly, (sq, xs) in zip(layers, sets)
+        ]
+        multi = multi_step_graph_us(steps)
+        dense_steps = [
+            (lambda ly=ly, sq=sq, x=xs[0]: bs._dense(ly, x, sq, T))
+            for ly, (sq, xs) in zip(layers[:2], sets[:2])
+        ]
+        multi_dense = multi_step_graph_us(dense_steps)
+        rec = dict(B=b, S=s, T=T, kernels=kt, kernel_sum_us=total, dense_kernels=kd,
+                   dense_kernel_sum_us=total_d, one_step_graph_us=round(one, 2),
+                   multi_step_graph_us=round(multi, 2),
+                   dense_multi_step_graph_us=round(multi_dense, 2))  # fmt: skip
+        out["configs"].append(rec)
+        print(f"== B={b} S={s} T={T}", file=text)
+        for r in kt:
+            print(f"  {r['us_per_step']:8.2f} us x{r['launches_per_step']:.0f}  {r['kernel']}",
+                  file=text)  # fmt: skip
+        print(f"  sum {total} us; one-step graph {one:.2f} us; {STEPS}-step graph "
+              f"{multi:.2f} us/step; dense kernels {total_d} us, dense graph "
+              f"{multi_dense:.2f} us/step", file=text)  # fmt: skip
+        for r in kd:
+            print(f"    dense {r['us_per_step']:8.2f} us  {r['kernel']}", file=text)
+        print(text.getvalue().split("== ")[-1], flush=True)
+        del layers, sets
+        torch.cuda.empty_cache()
+
+    # host overhead of the eager calls at B=1, S=1
+    ly = bs.Layer(1, cap, torch.bfloat16)
+    seqlens, xs = bs._inputs(ly, 1, T, 1, bs.BUDGET)
+    x = xs[0]
+    for _ in range(5):
+        bs._layer_step(ly, x, seqlens, T, bs.BUDGET)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        bs._layer_step(ly, x, seqlens, T, bs.BUDGET)
+    torch.cuda.synchronize()
+    prof.disable()
+    sio = io.StringIO()
+    pstats.Stats(prof, stream=sio).sort_stats("cumulative").print_stats(45)
+    print("== host (cProfile, 50 eager layer steps, B=1 S=1)", file=text)
+    print(sio.getvalue(), file=text)
+    print(sio.getvalue()[:6000], flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile_sparse.json").write_text(json.dumps(out, indent=1))
+    (out_dir / "profile_sparse.txt").write_text(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
