@@ -50,7 +50,35 @@ def _gqa_decode_call():
     )  # fmt: skip
 
 
-CALLS = {"rms_norm_rotary": _rms_call, "gqa_decode": _gqa_decode_call}
+def _sparse_step_call():
+    """indexer + DSA decode step (bench_sparse geometry, T = 4K)."""
+    b, n, kv, h, cap, t, r, ni, di = 1, 24, 4, 256, 4160, 4096, 64, 16, 128
+    q = torch.randn(b, 1, n * h, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, 1, kv * h, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pk = torch.randn(b, kv, cap, h, device="cuda", dtype=torch.bfloat16)
+    pv = torch.randn_like(pk)
+    iq = torch.randn(b, 1, ni * di, device="cuda", dtype=torch.bfloat16)
+    bk = torch.randn(b, cap // r, di, device="cuda")
+    seqlens = torch.full((b,), t - 1, dtype=torch.int32, device="cuda")
+
+    def step():
+        sel, cnt = longattn.sparse_attention_indexer(
+            iq, bk, seqlens, compress_ratio=r, token_budget=2048, total_sequence_length=t
+        )
+        return longattn.dynamic_sparse_attention(
+            q, k, v, pk, pv, selected_indices=sel, selected_counts=cnt, seqlens_k=seqlens,
+            total_sequence_length=t, num_heads=n, kv_num_heads=kv,
+        )  # fmt: skip
+
+    return step
+
+
+CALLS = {
+    "rms_norm_rotary": _rms_call,
+    "gqa_decode": _gqa_decode_call,
+    "indexer_plus_dsa": _sparse_step_call,
+}
 
 
 def main(argv=None):

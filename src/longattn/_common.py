@@ -90,6 +90,19 @@ def data_checks_allowed(t: torch.Tensor) -> bool:
     return t.device.type != "meta"
 
 
+def host_ranges(*tensors: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(min, max)]`` of each (non-empty, integer) tensor, read with ONE device-to-host copy.
+
+    Eager-mode data checks use it so that a call syncs with the device once, not once per
+    value (each ``int(t.min())`` is a launch plus a full sync).
+    """
+    vals = [v for t in tensors for v in (t.min(), t.max())]
+    if len({v.dtype for v in vals}) > 1:
+        vals = [v.to(torch.int64) for v in vals]
+    flat = torch.stack(vals).tolist()
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(tensors))]
+
+
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round ``x`` once to ``dtype`` (round to nearest even) and return it in ``x``'s dtype."""
     return x.to(dtype).to(x.dtype)

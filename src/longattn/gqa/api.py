@@ -8,7 +8,14 @@ import operator
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
+from .._common import (
+    FLOAT_DTYPES,
+    call_op,
+    check_positive_int,
+    check_tensor,
+    data_checks_allowed,
+    host_ranges,
+)
 from ._params import GQAParams
 from .chunked import gqa_chunked
 from .reference import gqa_reference
@@ -315,27 +322,26 @@ def _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h):
 
 
 def _data_checks(seqlens_k, position_ids, cos_cache, s, total, capacity, first_prompt):
-    """Eager-only checks of tensor values (they sync with the device)."""
-    if data_checks_allowed(seqlens_k) and seqlens_k.numel():
-        lo, hi = int(seqlens_k.min()), int(seqlens_k.max())
-        need_lo = 0 if first_prompt else s - 1
-        if lo < need_lo:
-            what = (
-                "0"
-                if first_prompt
-                else f"S - 1 = {s - 1} (the {s} new tokens are part of the total)"
-            )
-            raise ValueError(f"seqlens_k must be >= {what}, got min {lo}")
-        if hi + 1 > total:
-            raise ValueError(
-                f"seqlens_k + 1 must be <= total_sequence_length = {total}, got max {hi + 1}"
-            )
-        if hi + 1 > capacity:
-            raise ValueError(
-                f"seqlens_k + 1 = {hi + 1} exceeds the present cache capacity {capacity}"
-            )
-    if position_ids is not None and data_checks_allowed(position_ids) and position_ids.numel():
-        lo, hi = int(position_ids.min()), int(position_ids.max())
+    """Eager-only checks of tensor values (one device sync for all of them)."""
+    check_pos = position_ids is not None and position_ids.numel() > 0
+    if not data_checks_allowed(seqlens_k) or not seqlens_k.numel():
+        return
+    ranges = host_ranges(seqlens_k, *((position_ids,) if check_pos else ()))
+    lo, hi = ranges[0]
+    need_lo = 0 if first_prompt else s - 1
+    if lo < need_lo:
+        what = (
+            "0" if first_prompt else f"S - 1 = {s - 1} (the {s} new tokens are part of the total)"
+        )
+        raise ValueError(f"seqlens_k must be >= {what}, got min {lo}")
+    if hi + 1 > total:
+        raise ValueError(
+            f"seqlens_k + 1 must be <= total_sequence_length = {total}, got max {hi + 1}"
+        )
+    if hi + 1 > capacity:
+        raise ValueError(f"seqlens_k + 1 = {hi + 1} exceeds the present cache capacity {capacity}")
+    if check_pos:
+        lo, hi = ranges[1]
         if lo < 0 or hi >= cos_cache.shape[0]:
             raise ValueError(
                 f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), "

@@ -12,6 +12,7 @@ from .._common import (
     check_positive_int,
     check_tensor,
     data_checks_allowed,
+    host_ranges,
 )
 from .chunked import rms_norm_rotary_chunked
 from .reference import rms_norm_rotary_reference
@@ -54,7 +55,7 @@ def _run(
     backend,
 ):
     if position_ids is not None and data_checks_allowed(position_ids) and position_ids.numel():
-        lo, hi = int(position_ids.min()), int(position_ids.max())
+        ((lo, hi),) = host_ranges(position_ids)
         if lo < 0 or hi >= cos_cache.shape[0]:
             raise ValueError(
                 f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), "

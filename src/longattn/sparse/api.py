@@ -9,7 +9,14 @@ import torch
 
 from .. import _cascade
 from .._attention_torch import contiguous_positions
-from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
+from .._common import (
+    FLOAT_DTYPES,
+    call_op,
+    check_positive_int,
+    check_tensor,
+    data_checks_allowed,
+    host_ranges,
+)
 from ._params import DSAParams
 from .chunked import dsa_chunked
 from .reference import dsa_reference
@@ -547,14 +554,16 @@ def dynamic_sparse_attention(
             present_value[:, :, :c] = past_value
 
     if data_checks_allowed(seqlens_k) and b:
-        lo, hi = int(seqlens_k.min()), int(seqlens_k.max())
+        check_pos = position_ids is not None and position_ids.numel() > 0
+        ranges = host_ranges(seqlens_k, *((position_ids,) if check_pos else ()))  # one sync
+        lo, hi = ranges[0]
         if lo < 0 or hi >= t_max or (not first and lo + 1 < s):
             raise ValueError(
                 f"seqlens_k must lie in [{0 if first else s - 1}, total_sequence_length - 1 = {t_max - 1}], "
                 f"got min {lo} max {hi}"
             )
-        if position_ids is not None and position_ids.numel():
-            plo, phi = int(position_ids.min()), int(position_ids.max())
+        if check_pos:
+            plo, phi = ranges[1]
             if plo < 0 or phi >= cos_cache.shape[0]:
                 raise ValueError(
                     f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), got min {plo} max {phi}"

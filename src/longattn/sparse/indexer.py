@@ -13,7 +13,14 @@ import math
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
+from .._common import (
+    FLOAT_DTYPES,
+    call_op,
+    check_positive_int,
+    check_tensor,
+    data_checks_allowed,
+    host_ranges,
+)
 from .._rotary import apply_rotary, rms_norm
 from .chunked import indexer_chunked
 from .reference import indexer_reference
@@ -402,11 +409,11 @@ def sparse_attention_indexer(
                 f"{total_sequence_length // r}"
             )
     if data_checks_allowed(seqlens_k) and b:
-        longest = int(seqlens_k.max()) + 1
-        if int(seqlens_k.min()) < 0 or longest // r > nb:
+        ((lo, hi),) = host_ranges(seqlens_k)
+        if lo < 0 or (hi + 1) // r > nb:
             raise ValueError(
                 f"seqlens_k must lie in [0, {nb * r + r - 2}] (index_block_keys holds {nb} "
-                f"blocks of {r}); got min {int(seqlens_k.min())} max {longest - 1}"
+                f"blocks of {r}); got min {lo} max {hi}"
             )
     first = total_sequence_length is not None and s == total_sequence_length
     return call_op(
