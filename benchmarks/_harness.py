@@ -84,6 +84,22 @@ def graph_bench(fn: Callable[..., object], arg_sets: Sequence[tuple], **kw) -> d
     return bench(lambda g: g.replay(), graphs, **kw)
 
 
+def graph_bench_chain(fns: Sequence[Callable[[], object]], **kw) -> dict:
+    """``bench`` of ONE CUDA graph that runs ``fns`` back to back (e.g. one decode step per
+    layer, each layer with its own tensors, as in a model's decode graph); times are per
+    callable (the replay's median / ``len(fns)``), so a short step is not charged a whole
+    graph launch as in ``graph_bench``."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    t = bench(lambda: g.replay(), [()], **kw)
+    return {k: (v / len(fns) if k.endswith("_us") else v) for k, v in t.items()}
+
+
 def gpu_meta() -> dict:
     import triton
 

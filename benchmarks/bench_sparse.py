@@ -41,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import flex_peers  # noqa: E402
-from _harness import bench, copies_for_l2, gpu_meta, measure_ceilings, write_results  # noqa: E402
+from _harness import (  # noqa: E402
+    bench,
+    copies_for_l2,
+    gpu_meta,
+    graph_bench_chain,
+    measure_ceilings,
+    write_results,
+)  # noqa: E402
 from longattn import rms_norm_rotary  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer  # noqa: E402
@@ -51,6 +58,7 @@ H, N, KV, R, BUDGET, NI, DI = 256, 24, 4, 64, 2048, 16, 128
 DEV = "cuda"
 TS = (32768, 65536, 131072, 262144)
 MIN_TIME = 0.1
+CHAIN = 4  # layers per chained graph (layer section)
 
 
 def _gqa():
@@ -197,9 +205,32 @@ def _row(section, layer, s, t, budget, **vals):
                 S=s, T=t, budget=budget, **vals)  # fmt: skip
 
 
-def layer_section(rows, layers, copy_tbs):
+def _chain_us(step, chain, s, t, budget):
+    """Per-layer us of one graph running ``step`` once per layer of ``chain`` (each its own
+    cache, block keys and inputs), back to back: a model's decode graph."""
+    calls = []
+    for ly in chain:
+        seqlens, xs = _inputs(ly, s, t, 1, budget)
+        calls.append(functools.partial(step, ly, seqlens, t, xs[0]))
+    return graph_bench_chain(calls, min_time_s=MIN_TIME)["median_us"]
+
+
+def _layer_chain_step(ly, seqlens, t, x):
+    return _layer_step(ly, x, seqlens, t, BUDGET)
+
+
+def _dsa_chain_step(ly, seqlens, t, x):
+    return _dsa(ly, x, seqlens, t, x["sel"], x["cnt"])
+
+
+def _dense_chain_step(ly, seqlens, t, x):
+    return _dense(ly, x, seqlens, t)
+
+
+def layer_section(rows, layers, copy_tbs, chains):
     for b in (1, 4):
         layer = layers[(b, torch.bfloat16)]
+        chain = chains[b]
         for t in TS:
             for s in (1, 8):
                 n_sets = copies_for_l2(layer.b * s * KV * (BUDGET + R) * H * 4, max_sets=8)
@@ -212,12 +243,18 @@ def layer_section(rows, layers, copy_tbs):
                 t_dense = _graph_time(dense, dense_sets)
                 nbytes = _dsa_bytes(layer, s, sets)
                 tbs = nbytes / (t_dsa * 1e-6) / 1e12
+                c_layer = _chain_us(_layer_chain_step, chain, s, t, BUDGET)
+                c_dsa = _chain_us(_dsa_chain_step, chain, s, t, BUDGET)
+                c_dense = _chain_us(_dense_chain_step, chain, s, t, BUDGET)
                 r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
                          dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
                          dense_gqa_us=round(t_dense, 2),
                          dense_over_sparse=round(t_dense / t_layer, 2),
                          dsa_MB=round(nbytes / 1e6, 2), dsa_TBps=round(tbs, 3),
-                         dsa_vs_copy_BW=round(tbs / copy_tbs, 3))  # fmt: skip
+                         dsa_vs_copy_BW=round(tbs / copy_tbs, 3),
+                         chain_layer_us=round(c_layer, 2), chain_dsa_us=round(c_dsa, 2),
+                         chain_dense_us=round(c_dense, 2),
+                         chain_dense_over_sparse=round(c_dense / c_layer, 2))  # fmt: skip
                 rows.append(r)
                 print(r, flush=True)
                 del sets
@@ -361,6 +398,10 @@ def main(argv=None):
         "dsa_TBps: bytes DSA must read (valid candidate K+V rows once per KV group, Q, output,"
         " indices) / time; dsa_vs_copy_BW against the measured copy bandwidth.",
         "dense_gqa_us: dense decode of the same S new tokens over all T cached keys.",
+        f"chain_*_us: per-layer time in ONE CUDA graph of {CHAIN} back-to-back steps over "
+        f"{CHAIN} distinct layers (own cache, block keys, inputs), as a model's decode graph "
+        "runs them; the other columns replay a one-step graph per timing, which also counts "
+        "the graph launch's latency.",
     ]
     rows: list[dict] = []
     layers = {}
@@ -368,9 +409,14 @@ def main(argv=None):
     for b in (1, 4):
         for dt in (torch.bfloat16, torch.float16, torch.int8):
             layers[(b, dt)] = Layer(b, cap, dt)
+    # extra bf16 layers for the chained (model-like) graphs of the layer section
+    need_chain = "layer" in args.sections.split(",")
+    chains = {b: [layers[(b, torch.bfloat16)]] + [Layer(b, cap, torch.bfloat16)
+                                                  for _ in range(CHAIN - 1) if need_chain]
+              for b in (1, 4)}  # fmt: skip
     t0 = time.time()
     sections = {
-        "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"]),
+        "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"], chains),
         "cache": lambda: cache_section(rows, layers, ceil["copy_TBps"]),
         "eager": lambda: eager_section(rows, layers),
         "memory": lambda: memory_section(rows, layers),

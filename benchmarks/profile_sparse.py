@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_sparse as bs  # noqa: E402
-from _harness import bench, gpu_meta  # noqa: E402
+from _harness import gpu_meta, graph_bench_chain  # noqa: E402
 
 T = 131072
 STEPS = 8
@@ -58,15 +58,7 @@ def kernel_table(fn, n=20):
 
 def multi_step_graph_us(steps):
     """GPU time per step of one CUDA graph running ``steps`` (callables) back to back."""
-    for f in steps:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in steps:
-            f()
-    t = bench(lambda: g.replay(), [()], min_time_s=0.2)["median_us"]
-    return t / len(steps)
+    return graph_bench_chain(steps, min_time_s=0.2)["median_us"]
 
 
 def main(argv=None):
