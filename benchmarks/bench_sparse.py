@@ -205,26 +205,20 @@ def _row(section, layer, s, t, budget, **vals):
                 S=s, T=t, budget=budget, **vals)  # fmt: skip
 
 
-def _chain_us(step, chain, s, t, budget):
-    """Per-layer us of one graph running ``step`` once per layer of ``chain`` (each its own
-    cache, block keys and inputs), back to back: a model's decode graph."""
+def _chain_us(step, chain, s, t, budget, min_time_s=MIN_TIME):
+    """Per-layer us of one graph running ``step(layer, seqlens, t, x)`` once per layer of
+    ``chain`` (each its own cache, block keys and inputs), back to back: a model's decode
+    graph."""
     calls = []
     for ly in chain:
         seqlens, xs = _inputs(ly, s, t, 1, budget)
         calls.append(functools.partial(step, ly, seqlens, t, xs[0]))
-    return graph_bench_chain(calls, min_time_s=MIN_TIME)["median_us"]
+    return graph_bench_chain(calls, min_time_s=min_time_s)["median_us"]
 
 
-def _layer_chain_step(ly, seqlens, t, x):
-    return _layer_step(ly, x, seqlens, t, BUDGET)
-
-
-def _dsa_chain_step(ly, seqlens, t, x):
-    return _dsa(ly, x, seqlens, t, x["sel"], x["cnt"])
-
-
-def _dense_chain_step(ly, seqlens, t, x):
-    return _dense(ly, x, seqlens, t)
+def _layer_step_b(layer, seqlens, t, x):
+    """``_layer_step`` at the default budget, in ``_chain_us``'s argument order."""
+    return _layer_step(layer, x, seqlens, t, BUDGET)
 
 
 def layer_section(rows, layers, copy_tbs, chains):
@@ -243,9 +237,9 @@ def layer_section(rows, layers, copy_tbs, chains):
                 t_dense = _graph_time(dense, dense_sets)
                 nbytes = _dsa_bytes(layer, s, sets)
                 tbs = nbytes / (t_dsa * 1e-6) / 1e12
-                c_layer = _chain_us(_layer_chain_step, chain, s, t, BUDGET)
-                c_dsa = _chain_us(_dsa_chain_step, chain, s, t, BUDGET)
-                c_dense = _chain_us(_dense_chain_step, chain, s, t, BUDGET)
+                c_layer = _chain_us(_layer_step_b, chain, s, t, BUDGET)
+                c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
+                c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
                 r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
                          dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
                          dense_gqa_us=round(t_dense, 2),

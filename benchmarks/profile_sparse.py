@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_sparse as bs  # noqa: E402
-from _harness import gpu_meta, graph_bench_chain  # noqa: E402
+from _harness import gpu_meta  # noqa: E402
 
 T = 131072
 STEPS = 8
@@ -56,11 +56,6 @@ def kernel_table(fn, n=20):
     return out, round(sum(r["us_per_step"] for r in out), 2)
 
 
-def multi_step_graph_us(steps):
-    """GPU time per step of one CUDA graph running ``steps`` (callables) back to back."""
-    return graph_bench_chain(steps, min_time_s=0.2)["median_us"]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -73,29 +68,15 @@ def main(argv=None):
     for cfg in args.configs.split(","):
         b, s = map(int, cfg.split("x"))
         layers = [bs.Layer(b, cap, torch.bfloat16) for _ in range(STEPS)]
-        sets = [bs._inputs(ly, s, T, 1, bs.BUDGET) for ly in layers]  # (seqlens, [x])
-        ly0, (seqlens0, xs0) = layers[0], sets[0]
-        x0 = xs0[0]
-
-        def step(ly=ly0, sq=seqlens0, x=x0):
-            return bs._layer_step(ly, x, sq, T, bs.BUDGET)
-
-        def dense(ly=ly0, sq=seqlens0, x=x0):
-            return bs._dense(ly, x, sq, T)
-
+        ly0 = layers[0]
+        seqlens0, xs0 = bs._inputs(ly0, s, T, 1, bs.BUDGET)
+        step = functools.partial(bs._layer_step_b, ly0, seqlens0, T, xs0[0])
+        dense = functools.partial(bs._dense_x, ly0, seqlens0, T, xs0[0])
         kt, total = kernel_table(step)
         kd, total_d = kernel_table(dense)
         one = bs._graph_time(functools.partial(bs._layer_step_x, ly0, seqlens0, T, bs.BUDGET), xs0)
-        steps = [
-            (lambda ly=ly, sq=sq, x=xs[0]: bs._layer_step(ly, x, sq, T, bs.BUDGET))
-            for ly, (sq, xs) in zip(layers, sets)
-        ]
-        multi = multi_step_graph_us(steps)
-        dense_steps = [
-            (lambda ly=ly, sq=sq, x=xs[0]: bs._dense(ly, x, sq, T))
-            for ly, (sq, xs) in zip(layers[:2], sets[:2])
-        ]
-        multi_dense = multi_step_graph_us(dense_steps)
+        multi = bs._chain_us(bs._layer_step_b, layers, s, T, bs.BUDGET, min_time_s=0.2)
+        multi_dense = bs._chain_us(bs._dense_x, layers[:2], s, T, bs.BUDGET, min_time_s=0.2)
         rec = dict(B=b, S=s, T=T, kernels=kt, kernel_sum_us=total, dense_kernels=kd,
                    dense_kernel_sum_us=total_d, one_step_graph_us=round(one, 2),
                    multi_step_graph_us=round(multi, 2),
@@ -111,7 +92,7 @@ def main(argv=None):
         for r in kd:
             print(f"    dense {r['us_per_step']:8.2f} us  {r['kernel']}", file=text)
         print(text.getvalue().split("== ")[-1], flush=True)
-        del layers, sets
+        del layers
         torch.cuda.empty_cache()
 
     # host overhead of the eager calls at B=1, S=1

@@ -96,10 +96,8 @@ def host_ranges(*tensors: torch.Tensor) -> list[tuple[int, int]]:
     Eager-mode data checks use it so that a call syncs with the device once, not once per
     value (each ``int(t.min())`` is a launch plus a full sync).
     """
-    vals = [v for t in tensors for v in (t.min(), t.max())]
-    if len({v.dtype for v in vals}) > 1:
-        vals = [v.to(torch.int64) for v in vals]
-    flat = torch.stack(vals).tolist()
+    # torch.stack promotes mixed integer dtypes (int32 seqlens, int64 positions)
+    flat = torch.stack([v for t in tensors for v in (t.min(), t.max())]).tolist()
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(tensors))]
 
 
