@@ -101,6 +101,15 @@ def host_ranges(*tensors: torch.Tensor) -> list[tuple[int, int]]:
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(tensors))]
 
 
+def check_position_range(lo: int, hi: int, rows: int) -> None:
+    """Raise ValueError unless position_ids' range ``[lo, hi]`` lies in the ``rows`` rows of
+    the cos/sin cache (``lo``, ``hi`` from ``host_ranges``)."""
+    if lo < 0 or hi >= rows:
+        raise ValueError(
+            f"position_ids must lie in [0, {rows}) (cos_cache rows), got min {lo} max {hi}"
+        )
+
+
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round ``x`` once to ``dtype`` (round to nearest even) and return it in ``x``'s dtype."""
     return x.to(dtype).to(x.dtype)

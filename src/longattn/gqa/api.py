@@ -11,6 +11,7 @@ from .. import _cascade
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
@@ -341,12 +342,7 @@ def _data_checks(seqlens_k, position_ids, cos_cache, s, total, capacity, first_p
     if hi + 1 > capacity:
         raise ValueError(f"seqlens_k + 1 = {hi + 1} exceeds the present cache capacity {capacity}")
     if check_pos:
-        lo, hi = ranges[1]
-        if lo < 0 or hi >= cos_cache.shape[0]:
-            raise ValueError(
-                f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), "
-                f"got min {lo} max {hi}"
-            )
+        check_position_range(*ranges[1], cos_cache.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_out_dtype,
+    check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
@@ -55,12 +56,7 @@ def _run(
     backend,
 ):
     if position_ids is not None and data_checks_allowed(position_ids) and position_ids.numel():
-        ((lo, hi),) = host_ranges(position_ids)
-        if lo < 0 or hi >= cos_cache.shape[0]:
-            raise ValueError(
-                f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), "
-                f"got min {lo} max {hi}"
-            )
+        check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])
     tier = _cascade.select_backend(OP_NAME, backend, gates(x, cos_cache, num_heads, out_dtype))
     kw = dict(
         num_heads=num_heads,

@@ -12,6 +12,7 @@ from .._attention_torch import contiguous_positions
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
@@ -563,11 +564,7 @@ def dynamic_sparse_attention(
                 f"got min {lo} max {hi}"
             )
         if check_pos:
-            plo, phi = ranges[1]
-            if plo < 0 or phi >= cos_cache.shape[0]:
-                raise ValueError(
-                    f"position_ids must lie in [0, {cos_cache.shape[0]}) (cos_cache rows), got min {plo} max {phi}"
-                )
+            check_position_range(*ranges[1], cos_cache.shape[0])
         if do_rotary and position_ids is None and t_max > cos_cache.shape[0]:
             raise ValueError(
                 f"positions up to {t_max - 1} exceed the cos_cache's {cos_cache.shape[0]} rows"
