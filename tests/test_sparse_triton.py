@@ -27,6 +27,7 @@ from longattn._attention_torch import (
     split_qkv,
 )
 from longattn._rotary import rope_cache
+from longattn._triton_merge import merge_splits, merge_splits_kernel
 from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer
 from longattn.sparse._shared import dsa_candidates, gather_rows
 from longattn.sparse.api import gates as dsa_gates
@@ -390,10 +391,13 @@ def test_dsa_split_counts_agree(num_splits):
 
 @interpret
 @pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("splits,head,block_d", [(5, 64, 16), (37, 80, 32), (3, 32, 32)])
-def test_dsa_merge_kernel_tiles(splits, head, block_d, sink):
-    """The merge over channel tiles (BLOCK_D < HEAD, a padded last tile) equals a float64
-    log-sum-exp merge; an all-empty row gives zeros (or zeros with a sink)."""
+@pytest.mark.parametrize(
+    "splits,head,block_d", [(5, 64, 16), (37, 80, 32), (3, 32, 32), (130, 256, None)]
+)
+def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
+    """The shared GQA/DSA merge over channel tiles (BLOCK_D < HEAD, a padded last tile; None:
+    the host launcher's own tile, 256-split rows) equals a float64 log-sum-exp merge; an
+    all-empty row gives zeros (or zeros with a sink)."""
     g = torch.Generator().manual_seed(splits)
     rn, n = 6, 3
     o_part = torch.randn(rn, splits, head, generator=g, dtype=torch.float64)
@@ -404,12 +408,17 @@ def test_dsa_merge_kernel_tiles(splits, head, block_d, sink):
     o_part[4] = 0.0
     sink_v = torch.randn(n, generator=g, dtype=torch.float64)
     out = nan_tensor((rn, head), torch.float32, DEV)
-    decode.dsa_merge_kernel[(rn, triton.cdiv(head, block_d))](
-        o_part_ptr=o_part.float().to(DEV), lse_part_ptr=lse.float().to(DEV),
-        sink_ptr=sink_v.float().to(DEV), o_ptr=out, NUM_HEADS=n, HEAD=head,
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        HAS_SINK=sink, SINK_FROM_PTR=sink,
-    )  # fmt: skip
+    o_dev, lse_dev = o_part.float().to(DEV), lse.float().to(DEV)
+    if block_d is None:
+        merge_splits(o_dev.view(rn // n, n, splits, head), lse_dev.view(rn // n, n, splits), out,
+                     num_heads=n, head_sink=sink_v.float().to(DEV) if sink else None,
+                     smooth_softmax=False)  # fmt: skip
+    else:
+        merge_splits_kernel[(rn, triton.cdiv(head, block_d))](
+            o_part_ptr=o_dev, lse_part_ptr=lse_dev, sink_ptr=sink_v.float().to(DEV), o_ptr=out,
+            num_splits=splits, NUM_HEADS=n, HEAD=head, SPLITS_PAD=triton.next_power_of_2(splits),
+            BLOCK_D=block_d, HAS_SINK=sink, SINK_FROM_PTR=sink,
+        )  # fmt: skip
     logits = lse * math.log(2.0)
     if sink:
         sink_col = sink_v[torch.arange(rn) % n][:, None]

@@ -7,8 +7,8 @@ for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 p
 ``o_part [B, S, N, splits, HEAD]`` (normalized) and ``lse_part [B, S, N, splits]``
 (log2 domain; -inf for an empty slice).
 
-``gqa_merge_kernel`` grid: (B * S * N,). Log-sum-exp merge of the slices, where the sink
-(head_sink / smooth_softmax) enters the denominator exactly once, then one rounding to the output.
+The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
+(head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
 """
 
 from __future__ import annotations
@@ -171,51 +171,6 @@ def gqa_decode_split_kernel(
     part = ((b64 * seq_len + s_idx) * NUM_HEADS + n_idx) * num_splits + split  # [ROWS_PAD]
     tl.store(lse_part_ptr + part, lse, mask=in_rows)
     tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
-
-
-@triton.jit
-def gqa_merge_kernel(
-    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
-    lse_part_ptr,  # [B, S, N, splits] fp32
-    sink_ptr,  # [N]
-    o_ptr,  # [B, S, N * HEAD] activation dtype
-    seq_len,
-    num_splits,
-    stride_ob,
-    stride_os,
-    NUM_HEADS: tl.constexpr,
-    HEAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    SINK_FROM_PTR: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # (b * S + s) * N + n
-    n = row % NUM_HEADS
-    bs = row // NUM_HEADS
-    b = bs // seq_len
-    s = bs % seq_len
-    offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
-    offs_d = tl.arange(0, HEAD)  # [HEAD]
-    p_mask = offs_p < num_splits
-    lse = tl.load(lse_part_ptr + row * num_splits + offs_p, mask=p_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = tl.load(sink_ptr + n).to(tl.float32) * 1.4426950408889634
-        else:
-            sink2 = 0.0
-        m = tl.maximum(m, sink2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD]
-    den = tl.sum(w, 0)
-    if HAS_SINK:
-        den = den + tl.exp2(sink2 - m_safe)
-    o_ptrs = o_part_ptr + (row * num_splits + offs_p)[:, None] * HEAD + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=p_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD]
-    out = tl.sum(o * w[:, None], 0)  # [HEAD]
-    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
-    dst = o_ptr + b * stride_ob + s * stride_os + n * HEAD + offs_d
-    tl.store(dst, out.to(o_ptr.dtype.element_ty))
 
 
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from .._params import GQAParams
 from ._core import LOG2E
-from .decode import decode_config, gqa_decode_split_kernel, gqa_merge_kernel
+from .decode import decode_config, gqa_decode_split_kernel
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
 
@@ -270,22 +271,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         **_common_flags(p, present_value, q_rot),
         **cfg,
     )
-    gqa_merge_kernel[(b * s * n,)](
-        o_part_ptr=o_part,
-        lse_part_ptr=lse_part,
-        sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
-        o_ptr=out,
-        seq_len=s,
-        num_splits=splits,
-        stride_ob=out.stride(0),
-        stride_os=out.stride(1),
-        NUM_HEADS=n,
-        HEAD=h,
-        SPLITS_PAD=triton.next_power_of_2(splits),
-        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
-        SINK_FROM_PTR=p.head_sink is not None,
-        num_warps=4,
-    )
+    merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
+                 smooth_softmax=p.smooth_softmax)  # fmt: skip
 
 
 def gqa_triton(

@@ -17,10 +17,9 @@ loads: NaN in unused cache rows cannot leak). Logits are in the log2 domain (the
 ``log2(e)`` into the scale), softmax in fp32 with ``exp2``. Partials: ``o_part [R, N, splits,
 HEAD]`` fp32 (normalized over the split) and ``lse_part [R, N, splits]`` (log2; -inf if empty).
 
-``dsa_merge_kernel`` grid: (R * N, cdiv(HEAD, BLOCK_D)). Merges the splits by log-sum-exp, all
-of them in one ``[SPLITS_PAD, BLOCK_D]`` load; the sink (``head_sink`` or
-the ``smooth_softmax`` zero logit) enters the denominator exactly once; one rounding to the output
-dtype. A row with nothing valid gives zeros (with or without a sink).
+``longattn._triton_merge.merge_splits`` (shared with GQA) merges the splits by log-sum-exp;
+the sink (``head_sink`` or the ``smooth_softmax`` zero logit) enters the denominator exactly
+once; one rounding to the output dtype. A row with nothing valid gives zeros.
 
 Dot operands (see ``plan_dot_dtypes``): Q in the "Q dtype" (rounded once; an int8 K cache has
 its scale folded into Q before that rounding, so K's stored integers enter the dot exactly); a
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
+from ..._triton_merge import merge_splits
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from .._params import DSAParams
@@ -252,52 +252,6 @@ def dsa_split_kernel(
     tl.store(lse_part_ptr + part, lse, mask=mask_g)
     o_ptrs = o_part_ptr + part[:, None] * HEAD + offs_d[None, :]
     tl.store(o_ptrs, o, mask=mask_g[:, None] & mask_d[None, :])
-
-
-@triton.jit
-def dsa_merge_kernel(
-    o_part_ptr,  # [B*S, N, NUM_SPLITS, HEAD] fp32
-    lse_part_ptr,  # [B*S, N, NUM_SPLITS] fp32 (log2 domain)
-    sink_ptr,  # [N] (SINK_FROM_PTR)
-    o_ptr,  # [B*S, N, HEAD] output dtype, contiguous
-    NUM_HEADS: tl.constexpr,
-    HEAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # channels per program (SPLITS_PAD * BLOCK_D fp32 in registers)
-    HAS_SINK: tl.constexpr,
-    SINK_FROM_PTR: tl.constexpr,
-):
-    rn = tl.program_id(0).to(tl.int64)  # row * N + n
-    offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    mask_p = offs_p < NUM_SPLITS
-    mask_d = offs_d < HEAD
-    lse = tl.load(lse_part_ptr + rn * NUM_SPLITS + offs_p, mask=mask_p, other=float("-inf"))
-    # every split's partial tile in one load (no serial loop over the splits)
-    o_ptrs = o_part_ptr + (rn * NUM_SPLITS + offs_p)[:, None] * HEAD + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
-    m = tl.max(lse, 0)
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = tl.load(sink_ptr + rn % NUM_HEADS).to(tl.float32) * 1.4426950408889634
-        else:
-            sink2 = 0.0
-        m = tl.maximum(m, sink2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD], 0 for empty splits
-    den = tl.sum(w, 0)
-    if HAS_SINK:
-        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
-    out = tl.sum(o * w[:, None], 0)  # [BLOCK_D]
-    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
-    tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
-
-
-def merge_block_d(head_pad: int, splits_pad: int) -> int:
-    """Channels per merge program: the ``[SPLITS_PAD, BLOCK_D]`` fp32 tile stays <= 8K values
-    (64 registers per thread at 4 warps)."""
-    return max(16, min(head_pad, 8192 // splits_pad))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,20 +495,6 @@ def dsa_triton(
         INTERPRET=_interpret(),
         **cfg,
     )
-    splits_pad = triton.next_power_of_2(splits)
-    block_d = merge_block_d(max(16, triton.next_power_of_2(h)), splits_pad)
-    dsa_merge_kernel[(rows * n, triton.cdiv(h, block_d))](
-        o_part_ptr=o_part,
-        lse_part_ptr=lse_part,
-        sink_ptr=p.head_sink if p.head_sink is not None else lse_part,
-        o_ptr=out,
-        NUM_HEADS=n,
-        HEAD=h,
-        NUM_SPLITS=splits,
-        SPLITS_PAD=splits_pad,
-        BLOCK_D=block_d,
-        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
-        SINK_FROM_PTR=p.head_sink is not None,
-        num_warps=4,
-    )
+    merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
+                 smooth_softmax=p.smooth_softmax)  # fmt: skip
     return out

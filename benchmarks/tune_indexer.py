@@ -1,0 +1,113 @@
+"""Tuning sweep of the Triton SparseAttentionIndexer kernels (H200): score-kernel tiles and the
+select kernel's warps, timed as one CUDA graph of back-to-back calls over distinct layers
+(each layer its own block keys and queries, so every call reads its keys from DRAM).
+
+    PYTHONPATH=src python benchmarks/tune_indexer.py --out $OUT
+
+Geometry of ``bench_sparse.py``: NI = 16 index heads of DI = 128, fp32 block keys, bf16 index
+query, r = 64, budget 2048 (32 blocks). Writes ``tune_indexer.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _harness import gpu_meta, graph_bench_chain  # noqa: E402
+from longattn.sparse.triton import indexer as ix  # noqa: E402
+from longattn.sparse.triton import select as sl  # noqa: E402
+
+NI, DI, R, BUDGET = 16, 128, 64, 2048
+LAYERS = 16
+
+
+def _layers(b, s, t):
+    nb = t // R + 1
+    seqlens = torch.full((b,), t - 1, dtype=torch.int32, device="cuda")
+    return seqlens, [
+        (torch.randn(b, s, NI * DI, device="cuda", dtype=torch.bfloat16),
+         torch.randn(b, nb, DI, device="cuda"))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+
+
+def _scores(q, k, seqlens, cfg):
+    return ix.indexer_scores(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
+                             scale=DI**-0.5, is_first_prompt=False, cfg=cfg)  # fmt: skip
+
+
+def _select(sc, seqlens, s, nb):
+    return sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
+                             token_budget=BUDGET, is_first_prompt=False)  # fmt: skip
+
+
+def sweep(b, s, t, rows):
+    seqlens, layers = _layers(b, s, t)
+    nb = layers[0][1].shape[1]
+    base = [_scores(q, k, seqlens, None) for q, k in layers]
+    grid = itertools.product((16, 32, 64), (16, 32), (32, 128), (2, 4))
+    for bb, br, bd, nw in grid:
+        cfg = dict(BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, num_warps=nw)
+        try:
+            got = _scores(*layers[0], seqlens, cfg)
+            err = float(((got - base[0]).abs() / base[0].abs().clamp_min(1e-3))
+                        .nan_to_num(0.0).max())  # fmt: skip
+            us = graph_bench_chain([lambda q=q, k=k, cfg=cfg: _scores(q, k, seqlens, cfg)
+                                    for q, k in layers], min_time_s=0.05)["median_us"]  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile
+            print(f"score {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        row = dict(kernel="score", B=b, S=s, T=t, **cfg, us=round(us, 2), rel_err=err)
+        rows.append(row)
+        print(row, flush=True)
+    ref = [_select(sc, seqlens, s, nb) for sc in base]
+    orig = sl.select_num_warps
+    for nw in (4, 8, 16, 32):
+        sl.select_num_warps = lambda nb_pad, nw=nw: nw
+        try:
+            same = all(
+                torch.equal(a, b2) for a, b2 in zip(_select(base[0], seqlens, s, nb), ref[0])
+            )
+            us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb) for sc in base],
+                                   min_time_s=0.05)["median_us"]  # fmt: skip
+        finally:
+            sl.select_num_warps = orig
+        row = dict(kernel="select", B=b, S=s, T=t, num_warps=nw, us=round(us, 2), same=same)
+        rows.append(row)
+        print(row, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--configs", default="1x1,4x1,1x8,4x8")
+    ap.add_argument("--T", type=int, default=131072)
+    args = ap.parse_args(argv)
+    rows = []
+    for c in args.configs.split(","):
+        b, s = (int(x) for x in c.split("x"))
+        sweep(b, s, args.T, rows)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tune_indexer.json").write_text(
+            json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1)
+        )
+    best = {}
+    for r in rows:
+        key = (r["kernel"], r["B"], r["S"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    for r in best.values():
+        print("BEST", r)
+
+
+if __name__ == "__main__":
+    main()

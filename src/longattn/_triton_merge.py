@@ -1,0 +1,102 @@
+"""Log-sum-exp merge of split-K attention partials, shared by the GQA and DSA decode tiers.
+
+``merge_splits_kernel`` grid: (R * N, cdiv(HEAD, BLOCK_D)), one program per (row, head) and
+channel tile. A split kernel wrote, for every row ``r``, head ``n`` and split ``p``:
+
+- ``o_part [R, N, splits, HEAD]`` fp32, the split's output normalized over the split;
+- ``lse_part [R, N, splits]`` fp32, the split's log-sum-exp in the log2 domain (-inf if empty).
+
+The merge loads every split of its channel tile at once (``[SPLITS_PAD, BLOCK_D]``, no serial
+loop over the splits), weights them by ``exp2(lse - max)``, adds the sink (``head_sink`` or the
+``smooth_softmax`` zero logit) to the denominator exactly once, and rounds to the output dtype
+once. A row with nothing valid gives zeros (with or without a sink). ``BLOCK_D`` keeps the tile
+at <= 8K fp32 values (64 registers per thread at 4 warps): a whole-head tile of 256 splits x 256
+channels would be 64K values per program and spill.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
+
+
+@triton.jit
+def merge_splits_kernel(
+    o_part_ptr,  # [R, N, num_splits, HEAD] fp32, contiguous
+    lse_part_ptr,  # [R, N, num_splits] fp32 (log2 domain), contiguous
+    sink_ptr,  # [N] (SINK_FROM_PTR)
+    o_ptr,  # [R, N, HEAD] output dtype, contiguous
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # channels per program
+    HAS_SINK: tl.constexpr,
+    SINK_FROM_PTR: tl.constexpr,
+):
+    rn = tl.program_id(0).to(tl.int64)  # r * N + n
+    offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_p = offs_p < num_splits
+    mask_d = offs_d < HEAD
+    lse = tl.load(lse_part_ptr + rn * num_splits + offs_p, mask=mask_p, other=float("-inf"))
+    o_ptrs = o_part_ptr + (rn * num_splits + offs_p)[:, None] * HEAD + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
+    m = tl.max(lse, 0)
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = tl.load(sink_ptr + rn % NUM_HEADS).to(tl.float32) * 1.4426950408889634
+        else:
+            sink2 = 0.0
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD], 0 for empty splits
+    den = tl.sum(w, 0)
+    if HAS_SINK:
+        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
+    out = tl.sum(o * w[:, None], 0)  # [BLOCK_D]
+    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+def merge_block_d(head: int, splits_pad: int) -> int:
+    """Channels per merge program: the ``[SPLITS_PAD, BLOCK_D]`` tile stays <= MERGE_TILE."""
+    head_pad = max(16, triton.next_power_of_2(head))
+    return max(16, min(head_pad, MERGE_TILE // splits_pad))
+
+
+def merge_splits(
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_heads: int,
+    head_sink: torch.Tensor | None,
+    smooth_softmax: bool,
+) -> None:
+    """Merge ``o_part [..., N, splits, HEAD]`` / ``lse_part [..., N, splits]`` (fp32,
+    contiguous) into ``out`` (contiguous, ``[..., N * HEAD]`` elements in (row, head, channel)
+    order), in place."""
+    splits, head = o_part.shape[-2:]
+    rows_n = out.numel() // max(head, 1)
+    if rows_n == 0:
+        return
+    splits_pad = triton.next_power_of_2(max(splits, 1))  # no split: zeros (den = 0)
+    block_d = merge_block_d(head, splits_pad)
+    merge_splits_kernel[(rows_n, triton.cdiv(head, block_d))](
+        o_part_ptr=o_part,
+        lse_part_ptr=lse_part,
+        sink_ptr=head_sink if head_sink is not None else lse_part,
+        o_ptr=out,
+        num_splits=splits,
+        NUM_HEADS=num_heads,
+        HEAD=head,
+        SPLITS_PAD=splits_pad,
+        BLOCK_D=block_d,
+        HAS_SINK=head_sink is not None or smooth_softmax,
+        SINK_FROM_PTR=head_sink is not None,
+        num_warps=4,
+    )
