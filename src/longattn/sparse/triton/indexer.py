@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_utils import device_sms
 from .._shared import emit_selection, indexer_rows
 from .select import MAX_BLOCKS, indexer_select
 
@@ -117,11 +118,28 @@ def indexer_score_kernel(
     tl.store(dst, val, mask=(srow < seq_len)[:, None] & mask_c[None, :])
 
 
-def score_config(di: int, interpret: bool) -> dict:
-    """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel."""
+def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpret: bool) -> dict:
+    """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel.
+
+    A decode step's scores are a small, latency-bound job (T = 128K: 2K blocks, 1 MB of fp32
+    keys), so the key tile is the smallest that keeps the grid within one wave: BLOCK_B = the
+    smallest of 16/32/64 with ``cdiv(NB, BLOCK_B) * cdiv(S, 16) * B <= num_sms``. H200 sweep
+    (``benchmarks/tune_indexer.py``, NI = 16, DI = 128, T = 128K, graph of 16 layers): B=1 S=1
+    4.5 us (was 12.0 with a fixed 64-block tile), B=4 S=1 9.5 (13.9), B=1 S=8 18.7 (42.2),
+    B=4 S=8 40.6 (43.6). One new token's 16 (row, head) pairs fit one 16-row dot with the whole
+    DI per step (``min(S, 16) * NI <= 16`` rows); more rows take 32-row dots over 32-channel
+    steps with 2 warps."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
-    return dict(BLOCK_B=64, BLOCK_R=32, BLOCK_D=32, num_warps=4)
+    s_tiles = triton.cdiv(max(s, 1), 16)
+    block_b = 64
+    for cand in (16, 32):
+        if triton.cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
+            block_b = cand
+            break
+    if min(s, 16) * ni <= 16:
+        return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4)
+    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=2)
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
@@ -132,7 +150,11 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     out = _empty((b * s, nb), dtype=dtype, device=index_query.device)
     if out.numel() == 0:
         return out
-    cfg = dict(cfg or score_config(di, _interpret()))
+    if cfg is None:
+        cfg = score_config(b, s, num_index_heads, nb, device_sms(index_query), _interpret())
+    cfg = dict(cfg)
+    di_pad = max(16, triton.next_power_of_2(di))
+    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
     block_s = 16
     grid = (triton.cdiv(nb, cfg["BLOCK_B"]), triton.cdiv(s, block_s), b)
     indexer_score_kernel[grid](
@@ -150,7 +172,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         compress_ratio=compress_ratio,
         NI=num_index_heads,
         DI=di,
-        DI_PAD=max(16, triton.next_power_of_2(di)),
+        DI_PAD=di_pad,
         BLOCK_S=block_s,
         S_TILE=min(block_s, s),
         IS_FIRST_PROMPT=is_first_prompt,
