@@ -79,6 +79,11 @@ def _scores(gen, rows, nb, kind):
     elif kind == "close":  # 1.0 plus 0..3 ulps: the keys differ in their lowest bits only
         ulps = torch.randint(0, 4, (rows, nb), generator=gen, dtype=torch.int32)
         sc = (torch.full((rows, nb), 1.0).view(torch.int32) + ulps).view(torch.float32)
+    elif kind == "prefix":  # keys span [0x40000000, 0x41FFFFFF]: the key range's xor,
+        # 0x01FFFFFF, rounds up to 2**25 in fp32 (the radix start over-estimates its top bit)
+        bits = torch.randint(0x40000000, 0x42000000, (rows, nb), generator=gen, dtype=torch.int32)
+        bits[:, 0], bits[:, -1] = 0x40000000, 0x41FFFFFF
+        sc = bits.view(torch.float32)
     else:  # continuous, wide range
         sc = torch.rand(rows, nb, generator=gen) ** 3 * 1e3
     return sc.to(DEV)
@@ -98,7 +103,7 @@ _SELECT_GRID = [
 
 
 @interpret
-@pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "nan", "close", "rand"])
+@pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "nan", "close", "prefix", "rand"])
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
 def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind):
     gen = torch.Generator().manual_seed(len(seqlens) * 31 + s * 7 + r + budget)

@@ -9,12 +9,14 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
 2. The row's visible scores (``c < n_complete``) are loaded once into registers ``[NB_PAD]`` and
    mapped to order-preserving int32 keys ``v >= 0`` (fp32 bits of a score >= +0.0; every NaN ->
    ``0x7F800001``, above +inf, as ``torch.sort`` orders NaN; -0.0 -> +0.0). Invisible: ``v = -1``.
-3. Radix select of the k-th largest key, two bits per step (bits 30..1, then bit 0): each step
+3. Radix select of the k-th largest key, two bits per step: it starts below the bits that the
+   largest and smallest counted keys share (one max + one min reduction), then each step
    counts ``v >= lo + d * 2**shift`` for d = 1, 2, 3 in ONE packed int64 reduction (the three
    counts in 20-bit fields) and keeps the largest threshold still holding >= k keys. It stops
-   early as soon as exactly k keys are ``>= lo`` (random scores: after about half the steps).
+   early as soon as exactly k keys are ``>= lo``.
 4. Chosen: every key ``> lo``, then keys ``== lo`` in ascending block order until k are chosen
-   (ties: lower block index wins, the reference's stable sort). An inclusive cumsum over the
+   (ties: lower block index wins, the reference's stable sort; the rank among equal keys is
+   only computed when a tie at the threshold has to be broken). An inclusive cumsum over the
    chosen flags gives each chosen block its slot in ascending block order; the block ids go to a
    per-row scratch row ``[kb]`` int32 (then a CTA barrier).
 5. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``scratch[j // r] * r + j % r``; then the
@@ -50,8 +52,21 @@ def _kth_largest(v, k, n_ge):
 
     Returns ``(lo, n_ge)``: ``n_ge = #(v >= lo) >= k`` and either ``n_ge == k`` (the top k are
     exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
-    lo = tl.full([], 0, tl.int32)
-    shift = tl.full([], 29, tl.int32)
+    # Start below the bits every counted key shares: the keys lie in [vmin, vmax], so they all
+    # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
+    # prefix, shift = d - 1 (a radix-4 digit covers bits d, d - 1). Scores of one row span a
+    # few octaves, so this skips the exponent's leading steps (each a CTA-wide reduction).
+    vmax = tl.max(v, 0)
+    vmin = tl.min(tl.where(v >= 0, v, vmax), 0)
+    diff = vmax ^ vmin
+    # highest set bit of diff via its fp32 exponent (int -> fp32 rounds up at most one binade:
+    # an over-estimate only costs one more step, the invariant still holds)
+    d = (diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    d = tl.where(diff > 0, tl.minimum(d, 30), -1)
+    low_bits = (tl.full([], 2, tl.int64) << d.to(tl.int64)) - 1  # bits d..0 (int64: d = 30)
+    lo = tl.where(d >= 0, (vmax.to(tl.int64) & ~low_bits).to(tl.int32), vmax)
+    lo = tl.maximum(lo, 0)  # no counted key (vmax = -1): lo = 0, nothing is chosen
+    shift = tl.where(d >= 1, d - 1, d)  # d = 0: one last step over bit 0; d = -1: all equal
     # invariant: #(v >= lo) >= k and #(v >= lo + 4 * 2**shift) < k (keys < 2**31)
     while (n_ge > k) & (shift >= 0):
         step = 1 << shift
@@ -111,10 +126,13 @@ def indexer_select_kernel(
     v = _order_keys(score, visible)  # [NB_PAD] int32
     lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0))
     eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
-    eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
     n_eq = tl.sum(eq.to(tl.int32))
     need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
-    chosen = ((v > lo) | (eq & (eq_rank <= need))) & (k > 0)  # [NB_PAD], k of them
+    take_eq = eq
+    if need < n_eq:  # a tie at the threshold (rare): rank the equal keys by block id
+        eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
+        take_eq = eq & (eq_rank <= need)
+    chosen = ((v > lo) | take_eq) & (k > 0)  # [NB_PAD], k of them
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     scratch_row = scratch_ptr + row * scratch_stride
     tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
