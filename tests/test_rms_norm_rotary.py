@@ -345,3 +345,21 @@ def test_triton_table_layouts_agree(h, rot, off, inter, tile):
                                  tile_tables=tile, **kw)  # fmt: skip
     ref = longattn.rms_norm_rotary(x, w, cos, sin, pos, out_dtype=FP16, backend="reference", **kw)
     assert (out.float() - ref.float()).abs().max() <= 2 * torch.finfo(FP16).eps * ref.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
+def test_validate_false_skips_the_check_and_clamps(backend):
+    """validate=False: no host read of position_ids; out-of-range ids are clamped into the
+    cache by every tier (never read out of bounds), and validate=True still raises."""
+    x, w, cos, sin, pos = make_inputs(1, 6, 2, 64, dtype=FP16)
+    bad = pos.clone()
+    bad[0, 1], bad[0, 4] = 700, -3  # cache rows: 512
+    with pytest.raises(ValueError, match="position_ids must lie"):
+        longattn.rms_norm_rotary(x, w, cos, sin, bad, num_heads=2, backend=backend)
+    got = longattn.rms_norm_rotary(x, w, cos, sin, bad, num_heads=2, validate=False,
+                                   backend=backend)  # fmt: skip
+    want = longattn.rms_norm_rotary(x, w, cos, sin, bad.clamp(0, 511), num_heads=2,
+                                    backend=backend)  # fmt: skip
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        longattn.rms_norm_rotary(x, w, cos, sin, pos, num_heads=2, validate=1)

@@ -314,3 +314,20 @@ def test_opcheck_and_compile():
     want = f(iq, keys, sk)
     got = torch.compile(f, fullgraph=True)(iq, keys, sk)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_validate_false_out_of_range_seqlens_stays_in_bounds(backend):
+    """validate=False: no host read of seqlens_k; a length past index_block_keys' end selects
+    among the blocks that exist (no out-of-bounds read), validate=True still raises."""
+    iq, keys, _ = _case(3, b=2, s=1, ni=4, di=32, nb=5, seqlens=[0, 0])
+    sk = torch.tensor([400, 12], dtype=torch.int32)  # 5 blocks of 8 hold 39 positions
+    kw = dict(compress_ratio=8, token_budget=16, backend=backend)
+    with pytest.raises(ValueError, match="seqlens_k must lie"):
+        sparse_attention_indexer(iq, keys, sk, **kw)
+    idx, cnt = sparse_attention_indexer(iq, keys, sk, validate=False, **kw)
+    assert idx.shape == (2, 16 + 7) and cnt.shape == (2,)
+    chosen = idx[0, :16]  # two whole blocks, both among the 5 that exist
+    assert ((chosen >= 0) & (chosen < 40)).all()
+    want = sparse_attention_indexer(iq[1:], keys[1:], sk[1:], **kw)
+    assert torch.equal(idx[1], want[0][0]) and torch.equal(cnt[1], want[1][0])

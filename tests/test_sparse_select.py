@@ -241,3 +241,16 @@ def test_gpu_indexer_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interpret
+def test_triton_tier_validate_false_out_of_range_seqlens():
+    """validate=False, a length past index_block_keys' end: the Triton tier scores only the
+    blocks that exist and selects what the reference selects (no out-of-bounds read)."""
+    iq, keys, _ = _int_case(9, b=2, s=2, ni=2, di=16, nb=6, seqlens=[0, 0])
+    sk = torch.tensor([500, 30], dtype=torch.int32, device=DEV)  # 6 blocks of 8 hold 47
+    kw = dict(compress_ratio=8, token_budget=24, validate=False)
+    got = sparse_attention_indexer(iq, keys, sk, backend="triton", **kw)
+    want = sparse_attention_indexer(iq, keys, sk, backend="reference", **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].tolist()[:2] == [24 + 7, 24 + 7]  # 3 blocks + the trailing 7 positions

@@ -676,3 +676,24 @@ def _params_of(kw):
         sin_cache=None, position_ids=None, head_sink=None, q_norm_weight=None,
         k_norm_weight=None, k_scale=None, v_scale=None,
     )  # fmt: skip
+
+
+@interpret
+def test_dsa_validate_false_out_of_range_seqlens_writes_nothing_outside():
+    """validate=False with a sequence length past the cache: no host check, the new token's
+    append at qpos >= capacity is dropped, no other cache row of that sequence changes. (The
+    output is undefined: the claimed length makes build()'s NaN-filled unused rows visible.)"""
+    kw = build(21, b=2, s=1, past=(20, 33), dtype=torch.float32)
+    cap = kw["past_key"].shape[2]
+    kw["seqlens_k"] = torch.tensor([19, cap + 5], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="seqlens_k must lie"):
+        run(kw, backend="triton")
+    out, pk, pv = run(kw, backend="triton", validate=False)
+    assert out.shape == kw["query"].shape
+
+    def bits(t):  # bitwise view: the unused rows hold NaN
+        return t.contiguous().view(torch.uint8)
+
+    assert torch.equal(bits(pk[1]), bits(kw["past_key"][1]))
+    assert torch.equal(bits(pv[1]), bits(kw["past_value"][1]))
+    assert torch.equal(bits(pk[0, :, :19]), bits(kw["past_key"][0, :, :19]))

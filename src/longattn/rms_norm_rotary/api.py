@@ -22,9 +22,13 @@ OP_NAME = "rms_norm_rotary"
 _TRITON_MAX_HEAD = 1024
 
 
-def _positions(position_ids: torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:
+def _positions(
+    position_ids: torch.Tensor | None, b: int, s: int, device, rows: int
+) -> torch.Tensor:
+    """int64 positions ``[B, S]``, clamped into the ``rows`` of cos/sin (as the Triton kernel
+    does: unchecked out-of-range positions never index outside the cache)."""
     if position_ids is not None:
-        return position_ids.to(torch.int64)
+        return position_ids.to(torch.int64).clamp(0, max(rows - 1, 0))
     return torch.arange(s, device=device, dtype=torch.int64).expand(b, s)
 
 
@@ -55,8 +59,6 @@ def _run(
     exact,
     backend,
 ):
-    if position_ids is not None and data_checks_allowed(position_ids) and position_ids.numel():
-        check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])
     tier = _cascade.select_backend(OP_NAME, backend, gates(x, cos_cache, num_heads, out_dtype))
     kw = dict(
         num_heads=num_heads,
@@ -71,7 +73,7 @@ def _run(
         return rms_norm_rotary_triton(
             x, weight, cos_cache, sin_cache, position_ids, out_dtype=out_dtype, **kw
         )
-    pos = _positions(position_ids, x.shape[0], x.shape[1], x.device)
+    pos = _positions(position_ids, x.shape[0], x.shape[1], x.device, cos_cache.shape[0])
     if tier == "chunked":
         return rms_norm_rotary_chunked(
             x, weight, cos_cache, sin_cache, pos, out_dtype=out_dtype, **kw
@@ -134,7 +136,9 @@ def _(
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
-def validate(x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype):
+def validate_args(
+    x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
+):
     """Shape/dtype checks (no device sync); returns (head_size, out_dtype)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=3, contiguous_last=True)
     check_positive_int("num_heads", num_heads)
@@ -195,6 +199,7 @@ def rms_norm_rotary(
     rotary_offset: int = 0,
     out_dtype: torch.dtype | None = None,
     exact: bool = True,
+    validate: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Per-head RMSNorm (QK-norm) followed by rotary embedding, fused (ORT ``RMSNormRotary``).
@@ -204,8 +209,9 @@ def rms_norm_rotary(
         weight: ``[head_size]`` RMSNorm weight (any float dtype; read in fp32).
         cos_cache, sin_cache: ``[max_pos, rotary_dim / 2]`` fp32 (recommended), bf16 or fp16.
         position_ids: optional ``[batch, seq]`` int64/int32 positions; default ``0 .. seq-1``.
-            Values outside ``[0, max_pos)`` raise ``ValueError`` (eager mode; under CUDA-graph
-            capture or torch.compile the kernel clamps them instead of reading out of bounds).
+            Values outside ``[0, max_pos)`` raise ``ValueError`` when ``validate`` (eager mode);
+            otherwise (and under CUDA-graph capture or torch.compile) they are clamped into
+            the cache instead of read out of bounds.
         num_heads: heads per token; ``head_size = x.shape[-1] // num_heads``.
         epsilon: RMSNorm epsilon.
         interleaved: rotate pairs ``(2i, 2i+1)`` instead of ``(i, i + rotary_dim/2)``.
@@ -214,15 +220,24 @@ def rms_norm_rotary(
         out_dtype: bf16/fp16/fp32; default x's dtype.
         exact: True: fp32 math from the input values, one rounding at the end. False (legacy):
             the normalized value is rounded to x's dtype before the rotation.
+        validate: ``True`` (default) checks position_ids' *values* on the host, which
+            **synchronizes with the device** (one small read); skipped under torch.compile
+            tracing and CUDA-graph capture. Pass ``False`` on hot eager paths so the host never
+            waits for the GPU. Shape/dtype errors are always raised.
         backend: ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``.
 
     Returns:
         ``[batch, seq, num_heads * head_size]`` in ``out_dtype``.
     """
     _cascade.check_backend_name(backend)
-    _, out_dtype = validate(
+    _, out_dtype = validate_args(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate and position_ids is not None and position_ids.numel():
+        if data_checks_allowed(position_ids):
+            check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])
     return call_op(
         _rms_norm_rotary_op,
         _rms_norm_rotary_op_impl,

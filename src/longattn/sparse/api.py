@@ -290,7 +290,7 @@ def dynamic_sparse_attention(
     auxiliary_kv_shared: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
     query_dtype: torch.dtype | None = None,
-    validate: bool = False,
+    validate: bool | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse GQA over externally selected positions (ORT ``DynamicSparseAttention``).
@@ -346,7 +346,14 @@ def dynamic_sparse_attention(
             keep Q in fp32; the triton tier rounds Q once to the dot dtype (fp16 for bf16
             activations with an fp16 cache, else the activation dtype; for an int8 K cache the
             k_scale is folded into Q before that rounding).
-        validate: strict validation of the selection metadata (host sync).
+        validate: how much of the index tensors' *values* is checked on the host (each level
+            **synchronizes with the device** once; all skipped under torch.compile tracing and
+            CUDA-graph capture). ``None`` (default): seqlens_k's range and position_ids inside
+            cos_cache. ``True``: also the selection metadata, strictly (counts, -1 padding,
+            entries in range; also forced by ``LONGATTN_STRICT_VALIDATION=1``). ``False``: no
+            value check, no sync (hot eager decode paths): unchecked values never read or write
+            outside the caches, but the result is then undefined. Shape/dtype errors are always
+            raised.
         backend: "auto", "triton", "chunked" or "reference".
 
     Returns:
@@ -554,7 +561,13 @@ def dynamic_sparse_attention(
             present_key[:, :, :c] = past_key
             present_value[:, :, :c] = past_value
 
-    if data_checks_allowed(seqlens_k) and b:
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be None or a bool, got {type(validate).__name__}")
+    if do_rotary and position_ids is None and t_max > cos_cache.shape[0]:
+        raise ValueError(
+            f"positions up to {t_max - 1} exceed the cos_cache's {cos_cache.shape[0]} rows"
+        )
+    if (validate is not False or _strict_env()) and b and data_checks_allowed(seqlens_k):
         check_pos = position_ids is not None and position_ids.numel() > 0
         ranges = host_ranges(seqlens_k, *((position_ids,) if check_pos else ()))  # one sync
         lo, hi = ranges[0]
@@ -565,10 +578,6 @@ def dynamic_sparse_attention(
             )
         if check_pos:
             check_position_range(*ranges[1], cos_cache.shape[0])
-        if do_rotary and position_ids is None and t_max > cos_cache.shape[0]:
-            raise ValueError(
-                f"positions up to {t_max - 1} exceed the cos_cache's {cos_cache.shape[0]} rows"
-            )
         if (validate or _strict_env()) and selected_indices.numel():
             aux = selected_kv_source == "auxiliary"
             validate_selection(

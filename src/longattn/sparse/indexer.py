@@ -346,6 +346,7 @@ def sparse_attention_indexer(
     token_budget: int,
     scale: float | None = None,
     total_sequence_length: int | None = None,
+    validate: bool = True,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QSA block selection (ORT ``SparseAttentionIndexer``) -> selected token positions.
@@ -369,6 +370,11 @@ def sparse_attention_indexer(
         scale: score scale; default ``index_head_dim ** -0.5``.
         total_sequence_length: max total length over the batch (host int); only used to
             recognize the first prompt (``== S``). None: the subsequent-prompt rule for all rows.
+        validate: ``True`` (default) checks seqlens_k's *values* on the host (one small read,
+            which **synchronizes with the device**); skipped under torch.compile tracing and
+            CUDA-graph capture. Pass ``False`` on hot eager decode paths. Unchecked values
+            never read outside ``index_block_keys`` (blocks past its end are not visible), but
+            the selection is then undefined. Shape/dtype errors are always raised.
         backend: "auto", "triton", "chunked" or "reference".
 
     Returns:
@@ -408,7 +414,9 @@ def sparse_attention_indexer(
                 f"index_block_keys has {nb} blocks < total_sequence_length // compress_ratio = "
                 f"{total_sequence_length // r}"
             )
-    if data_checks_allowed(seqlens_k) and b:
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate and b and data_checks_allowed(seqlens_k):
         ((lo, hi),) = host_ranges(seqlens_k)
         if lo < 0 or (hi + 1) // r > nb:
             raise ValueError(
