@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python benchmarks/profile_host.py --out $OUT
 
-For each op call (no host sync inside: inputs without data checks), times ``N`` eager calls
-issued back to back (``perf_counter``; the GPU queue absorbs the kernels) and writes a cProfile
+For each op call (with and without the host-side value checks, ``validate``), times ``N``
+eager calls issued back to back (``perf_counter``; the GPU queue absorbs the kernels unless a
+check syncs) and writes a cProfile
 table (sorted by own time) of those calls to ``profile_host.txt``; one JSON line per op to
 ``profile_host.json``.
 """
@@ -28,15 +29,18 @@ import longattn  # noqa: E402
 N = 300
 
 
-def _rms_call():
+def _rms_call(validate=True):
     n, h = 32, 128
     x = torch.randn(1, 16, n * h, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(h, device="cuda")
     cos, sin = longattn.rope_cache(4096, h, device="cuda")
-    return lambda: longattn.rms_norm_rotary(x, w, cos, sin, num_heads=n, out_dtype=torch.float16)
+    pos = torch.arange(16, device="cuda")[None]
+    return lambda: longattn.rms_norm_rotary(
+        x, w, cos, sin, pos, num_heads=n, out_dtype=torch.float16, validate=validate
+    )
 
 
-def _gqa_decode_call():
+def _gqa_decode_call(validate=True):
     b, n, kv, h, cap = 1, 32, 8, 128, 4096
     q = torch.randn(b, 1, n * h, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, 1, kv * h, device="cuda", dtype=torch.bfloat16)
@@ -46,11 +50,21 @@ def _gqa_decode_call():
     seqlens = torch.full((b,), 2047, dtype=torch.int32, device="cuda")
     return lambda: longattn.group_query_attention(
         q, k, v, pk, pv, seqlens_k=seqlens, total_sequence_length=2048, num_heads=n,
-        kv_num_heads=kv,
+        kv_num_heads=kv, validate=validate,
     )  # fmt: skip
 
 
-def _sparse_step_call():
+def _gqa_tier_call():
+    """The GQA Triton tier alone (no API, no validation): prologue + split + merge launches."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_gqa
+
+    sets, p = bench_gqa._decode_sets(1, 4096, torch.bfloat16, 1)
+    fn = bench_gqa._decode_fn(p)
+    return lambda: fn(*sets[0])
+
+
+def _sparse_step_call(validate=True):
     """indexer + DSA decode step (bench_sparse geometry, T = 4K)."""
     b, n, kv, h, cap, t, r, ni, di = 1, 24, 4, 256, 4160, 4096, 64, 16, 128
     q = torch.randn(b, 1, n * h, device="cuda", dtype=torch.bfloat16)
@@ -64,20 +78,31 @@ def _sparse_step_call():
 
     def step():
         sel, cnt = longattn.sparse_attention_indexer(
-            iq, bk, seqlens, compress_ratio=r, token_budget=2048, total_sequence_length=t
+            iq,
+            bk,
+            seqlens,
+            compress_ratio=r,
+            token_budget=2048,
+            total_sequence_length=t,
+            validate=validate,
         )
         return longattn.dynamic_sparse_attention(
             q, k, v, pk, pv, selected_indices=sel, selected_counts=cnt, seqlens_k=seqlens,
             total_sequence_length=t, num_heads=n, kv_num_heads=kv,
+            validate=None if validate else False,
         )  # fmt: skip
 
     return step
 
 
 CALLS = {
-    "rms_norm_rotary": _rms_call,
-    "gqa_decode": _gqa_decode_call,
-    "indexer_plus_dsa": _sparse_step_call,
+    "rms_norm_rotary (position_ids, validate=True)": _rms_call,
+    "rms_norm_rotary (position_ids, validate=False)": lambda: _rms_call(False),
+    "gqa_decode (validate=True)": _gqa_decode_call,
+    "gqa_decode (validate=False)": lambda: _gqa_decode_call(False),
+    "gqa_decode (Triton tier called directly)": _gqa_tier_call,
+    "indexer_plus_dsa (default validation)": _sparse_step_call,
+    "indexer_plus_dsa (validate=False)": lambda: _sparse_step_call(False),
 }
 
 
