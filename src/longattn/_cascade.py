@@ -135,6 +135,12 @@ def triton_importable() -> tuple[bool, str]:
     return True, "triton importable"
 
 
+@functools.cache
+def cuda_capability(index: int) -> tuple[int, int]:
+    """(major, minor) of CUDA device ``index``, read once (the gates run on every call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def interpreter_active() -> bool:
     return _truthy(os.environ.get("TRITON_INTERPRET"))
 
@@ -153,7 +159,8 @@ def triton_device_gate(
     if not ok:
         return ok, reason
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = cuda_capability(index)
         need = (8, 0) if torch.bfloat16 in dtypes else (7, 0)
         if (major, minor) < need:
             return False, f"CUDA sm_{major}{minor} < sm_{need[0]}{need[1]} needed for {dtypes}"
