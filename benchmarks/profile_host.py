@@ -89,7 +89,7 @@ def _sparse_step_call(validate=True):
         return longattn.dynamic_sparse_attention(
             q, k, v, pk, pv, selected_indices=sel, selected_counts=cnt, seqlens_k=seqlens,
             total_sequence_length=t, num_heads=n, kv_num_heads=kv,
-            validate=None if validate else False,
+            validate=False if validate else "off",
         )  # fmt: skip
 
     return step

@@ -807,19 +807,19 @@ def test_torch_compile_fullgraph_decode():
 
 
 @pytest.mark.parametrize("backend", TIERS)
-def test_validate_false_out_of_range_seqlens_writes_nothing_outside(backend):
-    """validate=False: seqlens_k past the cache is not read on the host (no error), the new
+def test_validate_off_out_of_range_seqlens_writes_nothing_outside(backend):
+    """validate="off": seqlens_k past the cache is not read on the host (no error), the new
     token's write at qpos >= capacity is dropped (no other cache row changes) and the output
-    is finite; the default (None) still raises."""
+    is finite; the default (False: range checks) still raises."""
     kw = _simple(b=2, s=1, total=10, m=4)
     kw["seqlens_k"] = torch.tensor([9, 14], dtype=torch.int32)  # row 1: qpos 14 >= 10 rows
     kw["selected_indices"][:, :2] = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
     kw["selected_counts"][:] = 2
     with pytest.raises(ValueError, match="seqlens_k must lie"):
         run(kw, backend=backend)
-    out, pk, pv = run(kw, backend=backend, validate=False)
+    out, pk, pv = run(kw, backend=backend, validate="off")
     assert torch.isfinite(out).all()
     assert torch.equal(pk[1], kw["past_key"][1]) and torch.equal(pv[1], kw["past_value"][1])
     assert torch.equal(pk[0, :, :9], kw["past_key"][0, :, :9])  # row 0 wrote only its qpos 9
-    with pytest.raises(TypeError, match="validate must be None or a bool"):
+    with pytest.raises(ValueError, match='validate must be True, False or "off"'):
         run(kw, backend=backend, validate=0)

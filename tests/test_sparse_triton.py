@@ -679,8 +679,8 @@ def _params_of(kw):
 
 
 @interpret
-def test_dsa_validate_false_out_of_range_seqlens_writes_nothing_outside():
-    """validate=False with a sequence length past the cache: no host check, the new token's
+def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside():
+    """validate="off" with a sequence length past the cache: no host check, the new token's
     append at qpos >= capacity is dropped, no other cache row of that sequence changes. (The
     output is undefined: the claimed length makes build()'s NaN-filled unused rows visible.)"""
     kw = build(21, b=2, s=1, past=(20, 33), dtype=torch.float32)
@@ -688,7 +688,7 @@ def test_dsa_validate_false_out_of_range_seqlens_writes_nothing_outside():
     kw["seqlens_k"] = torch.tensor([19, cap + 5], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="seqlens_k must lie"):
         run(kw, backend="triton")
-    out, pk, pv = run(kw, backend="triton", validate=False)
+    out, pk, pv = run(kw, backend="triton", validate="off")
     assert out.shape == kw["query"].shape
 
     def bits(t):  # bitwise view: the unused rows hold NaN

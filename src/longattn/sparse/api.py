@@ -290,7 +290,7 @@ def dynamic_sparse_attention(
     auxiliary_kv_shared: bool = False,
     kv_cache_dtype: torch.dtype | None = None,
     query_dtype: torch.dtype | None = None,
-    validate: bool | None = None,
+    validate: bool | str = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse GQA over externally selected positions (ORT ``DynamicSparseAttention``).
@@ -348,10 +348,11 @@ def dynamic_sparse_attention(
             k_scale is folded into Q before that rounding).
         validate: how much of the index tensors' *values* is checked on the host (each level
             **synchronizes with the device** once; all skipped under torch.compile tracing and
-            CUDA-graph capture). ``None`` (default): seqlens_k's range and position_ids inside
-            cos_cache. ``True``: also the selection metadata, strictly (counts, -1 padding,
-            entries in range; also forced by ``LONGATTN_STRICT_VALIDATION=1``). ``False``: no
-            value check, no sync (hot eager decode paths): unchecked values never read or write
+            CUDA-graph capture). ``False`` (default): seqlens_k's range and position_ids inside
+            cos_cache; invalid selection entries are skipped, as the spec says. ``True``: also
+            the selection metadata, strictly (counts, -1 padding, entries in range, no
+            duplicates; also forced by ``LONGATTN_STRICT_VALIDATION=1``). ``"off"``: no value
+            check and no sync (hot eager decode loops): unchecked values never read or write
             outside the caches, but the result is then undefined. Shape/dtype errors are always
             raised.
         backend: "auto", "triton", "chunked" or "reference".
@@ -561,13 +562,13 @@ def dynamic_sparse_attention(
             present_key[:, :, :c] = past_key
             present_value[:, :, :c] = past_value
 
-    if validate is not None and not isinstance(validate, bool):
-        raise TypeError(f"validate must be None or a bool, got {type(validate).__name__}")
+    if not isinstance(validate, bool) and validate != "off":
+        raise ValueError(f'validate must be True, False or "off", got {validate!r}')
     if do_rotary and position_ids is None and t_max > cos_cache.shape[0]:
         raise ValueError(
             f"positions up to {t_max - 1} exceed the cos_cache's {cos_cache.shape[0]} rows"
         )
-    if (validate is not False or _strict_env()) and b and data_checks_allowed(seqlens_k):
+    if (validate != "off" or _strict_env()) and b and data_checks_allowed(seqlens_k):
         check_pos = position_ids is not None and position_ids.numel() > 0
         ranges = host_ranges(seqlens_k, *((position_ids,) if check_pos else ()))  # one sync
         lo, hi = ranges[0]
@@ -578,7 +579,7 @@ def dynamic_sparse_attention(
             )
         if check_pos:
             check_position_range(*ranges[1], cos_cache.shape[0])
-        if (validate or _strict_env()) and selected_indices.numel():
+        if (validate is True or _strict_env()) and selected_indices.numel():
             aux = selected_kv_source == "auxiliary"
             validate_selection(
                 selected_indices,
