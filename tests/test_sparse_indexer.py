@@ -331,3 +331,22 @@ def test_validate_false_out_of_range_seqlens_stays_in_bounds(backend):
     assert ((chosen >= 0) & (chosen < 40)).all()
     want = sparse_attention_indexer(iq[1:], keys[1:], sk[1:], **kw)
     assert torch.equal(idx[1], want[0][0]) and torch.equal(cnt[1], want[1][0])
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_total_sequence_length_bounds_the_scored_blocks(backend):
+    """Blocks at or past total_sequence_length // r are never scored: seqlens_k beyond the
+    total raises with validate=True, and without validation only blocks < total // r can be
+    chosen even when the later (larger-scored) blocks would be visible to the claimed length."""
+    iq, keys, _ = _case(4, b=1, s=1, ni=2, di=16, nb=12, seqlens=[0])
+    keys[:, 5:] = iq.view(2, 16).sum(0) * 10  # blocks 5.. would win every score
+    sk = torch.tensor([90], dtype=torch.int32)  # 11 complete blocks of 8 visible to qpos 90
+    kw = dict(compress_ratio=8, token_budget=16, total_sequence_length=41, backend=backend)
+    with pytest.raises(ValueError, match="total_sequence_length = 41"):
+        sparse_attention_indexer(iq, keys, sk, **kw)
+    idx, cnt = sparse_attention_indexer(iq, keys, sk, validate=False, **kw)
+    chosen = idx[0, :16]
+    assert ((chosen >= 0) & (chosen < 5 * 8)).all(), chosen  # total // r = 5 blocks
+    free = sparse_attention_indexer(iq, keys, sk, compress_ratio=8, token_budget=16,
+                                    backend=backend)  # fmt: skip
+    assert (free[0][0, :16] >= 5 * 8).all()  # without the bound the late blocks win

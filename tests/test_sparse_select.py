@@ -254,3 +254,13 @@ def test_triton_tier_validate_false_out_of_range_seqlens():
     want = sparse_attention_indexer(iq, keys, sk, backend="reference", **kw)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[1].tolist()[:2] == [24 + 7, 24 + 7]  # 3 blocks + the trailing 7 positions
+
+
+@interpret
+def test_triton_tier_scores_only_blocks_below_total():
+    """A block-key cache sized for a longer context (40 blocks) with total_sequence_length 100
+    (12 blocks of 8): the Triton tier equals the reference, with a 16-wide select tile."""
+    iq, keys, _ = _int_case(12, b=2, s=3, ni=2, di=16, nb=40, seqlens=[0, 0])
+    sk = torch.tensor([99, 57], dtype=torch.int32, device=DEV)
+    check_indexer(iq, keys, sk, compress_ratio=8, token_budget=40, scale=0.5,
+                  total_sequence_length=100)  # fmt: skip

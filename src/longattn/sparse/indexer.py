@@ -368,8 +368,10 @@ def sparse_attention_indexer(
         compress_ratio: r, tokens per block.
         token_budget: selected tokens from complete blocks are at most ``token_budget``.
         scale: score scale; default ``index_head_dim ** -0.5``.
-        total_sequence_length: max total length over the batch (host int); only used to
-            recognize the first prompt (``== S``). None: the subsequent-prompt rule for all rows.
+        total_sequence_length: max total length over the batch (host int): recognizes the first
+            prompt (``== S``) and bounds the blocks that are scored (``total // r``: a cache
+            sized for a longer context costs nothing extra). None: the subsequent-prompt rule
+            for all rows, every block of ``index_block_keys`` scored.
         validate: ``True`` (default) checks seqlens_k's *values* on the host (one small read,
             which **synchronizes with the device**); skipped under torch.compile tracing and
             CUDA-graph capture. Pass ``False`` on hot eager decode paths. Unchecked values
@@ -423,7 +425,17 @@ def sparse_attention_indexer(
                 f"seqlens_k must lie in [0, {nb * r + r - 2}] (index_block_keys holds {nb} "
                 f"blocks of {r}); got min {lo} max {hi}"
             )
+        if total_sequence_length is not None and hi + 1 > total_sequence_length:
+            raise ValueError(
+                f"seqlens_k + 1 must be <= total_sequence_length = {total_sequence_length}, "
+                f"got max {hi + 1}"
+            )
     first = total_sequence_length is not None and s == total_sequence_length
+    if total_sequence_length is not None:
+        # No row sees a complete block at or past total // r: score and select only those
+        # (a cache sized for the longest context holds many more, and one block more than
+        # a power of two doubles the select kernel's register tile)
+        index_block_keys = index_block_keys[:, : total_sequence_length // r]
     return call_op(
         _indexer_op,
         _indexer_op_impl,
