@@ -141,7 +141,11 @@ def cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
 def interpreter_active() -> bool:
+    """``TRITON_INTERPRET=1``, read once: triton itself fixes the mode when a kernel module is
+    imported (``triton.jit`` then returns an interpreted function), and the launchers ask on
+    every call."""
     return _truthy(os.environ.get("TRITON_INTERPRET"))
 
 

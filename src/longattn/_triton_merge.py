@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import cdiv, next_pow2
+
 MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 
 
@@ -64,7 +66,7 @@ def merge_splits_kernel(
 
 def merge_block_d(head: int, splits_pad: int) -> int:
     """Channels per merge program: the ``[SPLITS_PAD, BLOCK_D]`` tile stays <= MERGE_TILE."""
-    head_pad = max(16, triton.next_power_of_2(head))
+    head_pad = max(16, next_pow2(head))
     return max(16, min(head_pad, MERGE_TILE // splits_pad))
 
 
@@ -84,9 +86,9 @@ def merge_splits(
     rows_n = out.numel() // max(head, 1)
     if rows_n == 0:
         return
-    splits_pad = triton.next_power_of_2(max(splits, 1))  # no split: zeros (den = 0)
+    splits_pad = next_pow2(max(splits, 1))  # no split: zeros (den = 0)
     block_d = merge_block_d(head, splits_pad)
-    merge_splits_kernel[(rows_n, triton.cdiv(head, block_d))](
+    merge_splits_kernel[(rows_n, cdiv(head, block_d))](
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         sink_ptr=head_sink if head_sink is not None else lse_part,

@@ -12,6 +12,19 @@ from ._cascade import interpreter_active
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints. ``triton.cdiv`` is a constexpr function in triton 3.6: a
+    host call costs ~3 us (it re-imports and unwraps its arguments each time), and a decode
+    step's launchers make a few dozen such calls."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for ``n <= 0``), as ``triton.next_power_of_2``
+    but a plain host function (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def interpret() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels take their interpreter-safe loop forms)."""
     return interpreter_active()

@@ -12,10 +12,10 @@ activations use exact fp32 dots (``input_precision="ieee"``), never tf32.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
+from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from .._params import GQAParams
@@ -43,9 +43,9 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     Uses host-known sizes only.
     """
     target = 4 * num_sms
-    want = triton.cdiv(target, max(batch * kv_heads, 1))
-    cap = max(1, triton.cdiv(span, 4 * block_n))
-    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 256))
+    want = cdiv(target, max(batch * kv_heads, 1))
+    cap = max(1, cdiv(span, 4 * block_n))
+    return max(1, min(next_pow2(want), next_pow2(cap), 256))
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
@@ -84,7 +84,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     ks, vs = p.k_scale, p.v_scale
     ks_h, ks_d = _scale_strides(ks if quant_k else None)
     vs_h, vs_d = _scale_strides(vs if quant_v else None)
-    grid = (b * s, triton.cdiv(n, block_h) + triton.cdiv(kv, block_h))
+    grid = (b * s, cdiv(n, block_h) + cdiv(kv, block_h))
     gqa_prologue_kernel[grid](
         q_ptr=query,
         k_ptr=key,
@@ -130,7 +130,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         KV_HEADS=kv,
         GROUP=n // kv,
         HEAD=h,
-        HEAD_PAD=triton.next_power_of_2(h),
+        HEAD_PAD=next_pow2(h),
         BLOCK_H=block_h,
         ROT_DIM=2 * cos.shape[1] if has_rot else 0,
         HAS_ROTARY=has_rot,
@@ -171,7 +171,7 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
     quant_v = present_value.dtype == torch.int8
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     qk_scale, softcap_mult = _logit_scalars(p)
-    grid = (triton.cdiv(s, cfg["BLOCK_M"]), b * p.num_heads)
+    grid = (cdiv(s, cfg["BLOCK_M"]), b * p.num_heads)
     gqa_prefill_kernel[grid](
         q_ptr=q_rot,
         k_ptr=present_key,
@@ -224,8 +224,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
     splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev))
-    chunk = triton.cdiv(triton.cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    splits = triton.cdiv(span, chunk)
+    chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    splits = cdiv(span, chunk)
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)
     lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=q_rot.device)
     bias = p.attention_bias
@@ -267,7 +267,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         NUM_HEADS=n,
         GROUP=p.group,
         HEAD=h,
-        ROWS_PAD=max(16, triton.next_power_of_2(s * p.group)),
+        ROWS_PAD=max(16, next_pow2(s * p.group)),
         **_common_flags(p, present_value, q_rot),
         **cfg,
     )

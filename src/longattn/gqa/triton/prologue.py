@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._triton_utils import next_pow2
+
 _RINT_MAGIC = tl.constexpr(
     12582912.0
 )  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 half-to-even in fp32
@@ -224,6 +226,6 @@ def gqa_prologue_kernel(
 
 def prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps): about 2K elements per program."""
-    head_pad = triton.next_power_of_2(head)
-    block_h = max(1, min(triton.next_power_of_2(max(num_heads, kv_heads)), 2048 // head_pad))
+    head_pad = next_pow2(head)
+    block_h = max(1, min(next_pow2(max(num_heads, kv_heads)), 2048 // head_pad))
     return block_h, 4 if block_h * head_pad <= 2048 else 8

@@ -17,9 +17,9 @@ activations use exact fp32 dots (``input_precision="ieee"``).
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
+from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import device_sms as _device_sms
 from ..._triton_utils import interpret as _interpret
 from ...gqa.triton._core import LOG2E
@@ -73,8 +73,8 @@ def _logit_scalars(p: PagedParams) -> tuple[float, float]:
 
 
 def _prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int, int]:
-    head_pad = triton.next_power_of_2(head)
-    block_h = max(1, min(triton.next_power_of_2(max(num_heads, kv_heads)), 2048 // head_pad))
+    head_pad = next_pow2(head)
+    block_h = max(1, min(next_pow2(max(num_heads, kv_heads)), 2048 // head_pad))
     return block_h, 4 if block_h * head_pad <= 2048 else 8
 
 
@@ -90,7 +90,7 @@ def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, 
     ks_h, ks_d = _scale_strides(p.k_scale if quant_k else None)
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     batch = past.shape[0]
-    grid = (tokens, triton.cdiv(n, block_h) + triton.cdiv(kv, block_h))
+    grid = (tokens, cdiv(n, block_h) + cdiv(kv, block_h))
     paged_prologue_kernel[grid](
         q_ptr=query,
         k_ptr=key,
@@ -126,10 +126,10 @@ def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, 
         KV_HEADS=kv,
         GROUP=n // kv,
         HEAD=h,
-        HEAD_PAD=triton.next_power_of_2(h),
+        HEAD_PAD=next_pow2(h),
         BLOCK_H=block_h,
         BLOCK_SIZE=key_cache.shape[1],
-        B_PAD=max(2, triton.next_power_of_2(batch)),
+        B_PAD=max(2, next_pow2(batch)),
         ROT_DIM=2 * cos.shape[1] if has_rot else 0,
         HAS_ROTARY=has_rot,
         INTERLEAVED=p.rotary_interleaved,
@@ -166,7 +166,7 @@ def launch_shapes(p: PagedParams, cache_dtype, dot_dtype, block_size: int, *, de
     group = p.group
     interp = _interpret()
     cfg_d = dict(decode_cfg or decode_config(p.head_size, dot_dtype, cache_dtype, interp))
-    rows_d = max(16, triton.next_power_of_2(group))
+    rows_d = max(16, next_pow2(group))
     cfg_p = dict(prefill_cfg or prefill_config(p.head_size, dot_dtype, interp))
     if prefill_cfg is None and 32 <= block_size < cfg_p["BLOCK_N"]:
         cfg_p["BLOCK_N"] = block_size
@@ -196,7 +196,7 @@ def run_attention(q_rot, key_cache, value_cache, cu, past, table, p, out, *, fla
         window=max(p.local_window_size, 0), extra=extra, min_chunk=min_chunk,
         stride_vs_h=vs_h, stride_vs_d=vs_d, NUM_HEADS=n, KV_HEADS=kv, GROUP=p.group, HEAD=h,
         ROWS=rows, TOK_M=tok_m, DEC_TOK=dec_tok, IS_DECODE=flavor == "decode",
-        B_PAD=max(2, triton.next_power_of_2(batch)), HAS_WINDOW=p.local_window_size > 0,
+        B_PAD=max(2, next_pow2(batch)), HAS_WINDOW=p.local_window_size > 0,
         HAS_SINK=has_sink, SINK_FROM_PTR=p.head_sink is not None, HAS_VSCALE=quant_v,
     )  # fmt: skip
     paged_attn_kernel[(grid_items, kv)](
@@ -267,7 +267,7 @@ def paged_attention_triton(
     shapes = launch_shapes(p, key_cache.dtype, dot, bs, decode_cfg=decode_cfg,
                            prefill_cfg=prefill_cfg)  # fmt: skip
     batch = past_seqlens.shape[0]
-    target = triton.cdiv(WAVES * _device_sms(query), kv)  # items that fill the SMs
+    target = cdiv(WAVES * _device_sms(query), kv)  # items that fill the SMs
     args = (q_rot, key_cache, value_cache, cu_seqlens, past_seqlens, block_table, p, out)
     rows_d, tok_d, cfg_d = shapes["decode"]
     # Ragged decode batches balance better with more, smaller items than "fill the SMs" gives:
@@ -282,7 +282,7 @@ def paged_attention_triton(
                   grid_items=min(batch, tokens) + extra_d)  # fmt: skip
     if tokens > tok_d:  # some sequence may have more than DEC_TOK new tokens
         rows_p, tok_p, cfg_p = shapes["prefill"]
-        tiles = triton.cdiv(tokens, tok_p) + min(batch, tokens // (tok_d + 1))
+        tiles = cdiv(tokens, tok_p) + min(batch, tokens // (tok_d + 1))
         extra_p = max(0, target - tiles) if prefill_splits is None else prefill_splits
         run_attention(*args, flavor="prefill", rows=rows_p, tok_m=tok_p, dec_tok=tok_d,
                       cfg=cfg_p, extra=extra_p, min_chunk=min_chunk,

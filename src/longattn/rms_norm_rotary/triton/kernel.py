@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_utils import cdiv, next_pow2
+
 
 @triton.jit
 def _table_row(ptrs, mask, BLOCK_N: tl.constexpr, HALF_PAD: tl.constexpr, TILE: tl.constexpr):
@@ -126,8 +128,8 @@ def _launch_config(num_heads: int, head: int) -> tuple[int, int, bool]:
       1-D rows the best was 8/8 at 104.8 us).
     Run-to-run spread is up to ~20%: re-sweep when the kernel changes.
     """
-    head_pad = triton.next_power_of_2(head)
-    heads_pad = triton.next_power_of_2(num_heads)
+    head_pad = next_pow2(head)
+    heads_pad = next_pow2(num_heads)
     if head_pad <= 128:
         return max(1, min(heads_pad, 1024 // head_pad)), 2, False
     return max(1, min(heads_pad, 2048 // head_pad)), 2, True
@@ -161,7 +163,7 @@ def rms_norm_rotary_triton(
     num_warps = num_warps or cfg_w
     tile_tables = cfg_t if tile_tables is None else tile_tables
     pos = position_ids if position_ids is not None else x  # dummy pointer when HAS_POS is False
-    grid = (b * s, triton.cdiv(num_heads, block_n))
+    grid = (b * s, cdiv(num_heads, block_n))
     _rms_norm_rotary_kernel[grid](
         x_ptr=x,
         w_ptr=weight,
@@ -182,8 +184,8 @@ def rms_norm_rotary_triton(
         eps=epsilon,
         NUM_HEADS=num_heads,
         HEAD=head,
-        HEAD_PAD=triton.next_power_of_2(head),
-        HALF_PAD=triton.next_power_of_2(cos_cache.shape[1]),
+        HEAD_PAD=next_pow2(head),
+        HALF_PAD=next_pow2(cos_cache.shape[1]),
         BLOCK_N=block_n,
         ROT_OFF=rotary_offset,
         ROT_DIM=2 * cos_cache.shape[1],

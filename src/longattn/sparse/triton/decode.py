@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
 from ..._triton_merge import merge_splits
+from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from .._params import DSAParams
@@ -313,11 +314,11 @@ def plan_splits(
     ``num_splits`` (tuning hook) asks for about that many splits in all.
     """
     cand = max(window, 0) + max_sel
-    want = num_splits or triton.cdiv(2 * num_sms, max(rows * kv, 1))
+    want = num_splits or cdiv(2 * num_sms, max(rows * kv, 1))
     want = max(1, min(want, MAX_SPLITS - 1))
-    chunk = max(block_n, triton.cdiv(triton.cdiv(max(cand, 1), want), block_n) * block_n)
-    win = triton.cdiv(window, chunk) if window > 0 else 0
-    sel = max(1, triton.cdiv(max_sel, chunk))
+    chunk = max(block_n, cdiv(cdiv(max(cand, 1), want), block_n) * block_n)
+    win = cdiv(window, chunk) if window > 0 else 0
+    sel = max(1, cdiv(max_sel, chunk))
     return chunk, win, sel
 
 
@@ -478,8 +479,8 @@ def dsa_triton(
         NUM_HEADS=n,
         GROUP=g,
         HEAD=h,
-        HEAD_PAD=max(16, triton.next_power_of_2(h)),
-        G_PAD=max(16, triton.next_power_of_2(g)),
+        HEAD_PAD=max(16, next_pow2(h)),
+        G_PAD=max(16, next_pow2(g)),
         IS_FIRST_PROMPT=p.is_first_prompt,
         HAS_WINDOW=window > 0,
         SEL_AUX=sel_aux,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import device_sms
+from ..._triton_utils import cdiv, device_sms, next_pow2
 from .._shared import emit_selection, indexer_rows
 from .select import MAX_BLOCKS, indexer_select
 
@@ -131,10 +131,10 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     steps with 2 warps."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
-    s_tiles = triton.cdiv(max(s, 1), 16)
+    s_tiles = cdiv(max(s, 1), 16)
     block_b = 64
     for cand in (16, 32):
-        if triton.cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
+        if cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
             block_b = cand
             break
     if min(s, 16) * ni <= 16:
@@ -153,10 +153,10 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     if cfg is None:
         cfg = score_config(b, s, num_index_heads, nb, device_sms(index_query), _interpret())
     cfg = dict(cfg)
-    di_pad = max(16, triton.next_power_of_2(di))
+    di_pad = max(16, next_pow2(di))
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
     block_s = 16
-    grid = (triton.cdiv(nb, cfg["BLOCK_B"]), triton.cdiv(s, block_s), b)
+    grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, block_s), b)
     indexer_score_kernel[grid](
         q_ptr=index_query,
         k_ptr=index_block_keys,
@@ -200,7 +200,7 @@ def indexer_scores(index_query, index_block_keys, seqlens_k, *, num_index_heads,
 
 def select_supported(num_blocks: int) -> bool:
     """Whether ``select.indexer_select_kernel`` holds a row of ``num_blocks`` blocks."""
-    return max(16, triton.next_power_of_2(max(num_blocks, 1))) <= MAX_BLOCKS
+    return max(16, next_pow2(max(num_blocks, 1))) <= MAX_BLOCKS
 
 
 def indexer_triton(

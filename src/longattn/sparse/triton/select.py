@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_utils import next_pow2
+
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 _NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
 
@@ -192,7 +194,7 @@ def indexer_select(
     rows = seqlens_k.shape[0] * seq_len
     max_selected = token_budget + r - 1
     dev = seqlens_k.device
-    nb_pad = max(16, triton.next_power_of_2(max(num_blocks, 1)))
+    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
     if nb_pad > MAX_BLOCKS:
         raise ValueError(f"indexer_select supports up to {MAX_BLOCKS} blocks, got {num_blocks}")
     idx = empty((rows, max_selected), dtype=torch.int32, device=dev)
