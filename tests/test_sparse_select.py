@@ -264,3 +264,18 @@ def test_triton_tier_scores_only_blocks_below_total():
     sk = torch.tensor([99, 57], dtype=torch.int32, device=DEV)
     check_indexer(iq, keys, sk, compress_ratio=8, token_budget=40, scale=0.5,
                   total_sequence_length=100)  # fmt: skip
+
+
+def test_score_config_fills_one_wave():
+    """The score kernel's tile rule (H200 sweep in indexer.score_config's docstring): the
+    smallest key tile whose grid fits one wave; 16-row dots for one token's 16 (row, head)
+    pairs, 32-row dots on 2 warps beyond that."""
+    from longattn.sparse.triton.indexer import score_config
+
+    cfg = score_config(1, 1, 16, 2048, 132, interpret=False)
+    assert cfg == dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=128, num_warps=4)
+    assert score_config(4, 1, 16, 2048, 132, interpret=False)["BLOCK_B"] == 64  # 4 x 128 > 132
+    assert score_config(4, 1, 16, 1024, 132, interpret=False)["BLOCK_B"] == 32  # 4 x 32 <= 132
+    cfg = score_config(1, 8, 16, 2048, 132, interpret=False)
+    assert cfg == dict(BLOCK_B=16, BLOCK_R=32, BLOCK_D=32, num_warps=2)
+    assert score_config(1, 1, 32, 2048, 132, interpret=False)["BLOCK_R"] == 32  # 32 pairs
