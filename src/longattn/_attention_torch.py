@@ -185,6 +185,25 @@ def contiguous_positions(
     return qpos, total_len
 
 
+def prepare_from_params(query, key, value, present_key, present_value, seqlens_k, p, *, dtype):
+    """``prepare_new_tokens`` for an op's params object (GQA's or DSA's fields: num_heads,
+    kv_num_heads, head_size, is_first_prompt, do_rotary, cos/sin_cache, position_ids,
+    rotary_interleaved, optional rotary_offset, q/k_norm_weight, qk_norm_epsilon, k/v_scale):
+    split the (packed) QKV, derive the rows' positions from seqlens_k, prepare Q and append the
+    new K/V. Returns ``(q [B, S, N, H] in dtype, qpos [B, S] int64, total_len [B] int64)``."""
+    q, k, v = split_qkv(query, key, value, p.num_heads, p.kv_num_heads, p.head_size)
+    qpos, total_len = contiguous_positions(seqlens_k, query.shape[1], p.is_first_prompt)
+    qf = prepare_new_tokens(
+        q, k, v, present_key, present_value, qpos, total_len, dtype=dtype,
+        cos_cache=p.cos_cache if p.do_rotary else None,
+        sin_cache=p.sin_cache if p.do_rotary else None, position_ids=p.position_ids,
+        interleaved=p.rotary_interleaved, rotary_offset=getattr(p, "rotary_offset", 0),
+        q_norm_weight=p.q_norm_weight, k_norm_weight=p.k_norm_weight, epsilon=p.qk_norm_epsilon,
+        k_scale=p.k_scale, v_scale=p.v_scale,
+    )  # fmt: skip
+    return qf, qpos, total_len
+
+
 def prepare_new_tokens(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -16,9 +16,8 @@ import torch
 from .._attention_torch import (
     compute_dtype_for,
     contiguous_positions,
-    prepare_new_tokens,
+    prepare_from_params,
     sink_logits,
-    split_qkv,
 )
 from ._params import DSAParams
 
@@ -36,27 +35,8 @@ def prepare_dsa(query, key, value, present_key, present_value, seqlens_k, p: DSA
     """
     b, s = query.shape[:2]
     dtype = compute_dtype_for(query)
-    q, k, v = split_qkv(query, key, value, p.num_heads, p.kv_num_heads, p.head_size)
-    qpos, total_len = contiguous_positions(seqlens_k, s, p.is_first_prompt)
-    qf = prepare_new_tokens(
-        q,
-        k,
-        v,
-        present_key,
-        present_value,
-        qpos,
-        total_len,
-        dtype=dtype,
-        cos_cache=p.cos_cache if p.do_rotary else None,
-        sin_cache=p.sin_cache if p.do_rotary else None,
-        position_ids=p.position_ids,
-        interleaved=p.rotary_interleaved,
-        rotary_offset=p.rotary_offset,
-        q_norm_weight=p.q_norm_weight,
-        k_norm_weight=p.k_norm_weight,
-        epsilon=p.qk_norm_epsilon,
-        k_scale=p.k_scale,
-        v_scale=p.v_scale,
+    qf, qpos, total_len = prepare_from_params(
+        query, key, value, present_key, present_value, seqlens_k, p, dtype=dtype
     )
     if p.query_dtype is not None:
         qf = qf.to(p.query_dtype).to(dtype)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._attention_torch import prepare_new_tokens, scale_view, split_qkv
+from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
 from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import interpret as _interpret
@@ -349,19 +349,10 @@ def run_prologue(
 
         gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
         return
-    from ..._attention_torch import contiguous_positions
 
-    b, s = query.shape[:2]
-    q, k, v = split_qkv(query, key, value, p.num_heads, p.kv_num_heads, p.head_size)
-    qpos, total_len = contiguous_positions(seqlens_k, s, p.is_first_prompt)
-    qf = prepare_new_tokens(
-        q, k, v, present_key, present_value, qpos, total_len, dtype=torch.float32,
-        cos_cache=p.cos_cache if p.do_rotary else None,
-        sin_cache=p.sin_cache if p.do_rotary else None, position_ids=p.position_ids,
-        interleaved=p.rotary_interleaved, rotary_offset=p.rotary_offset,
-        q_norm_weight=p.q_norm_weight, k_norm_weight=p.k_norm_weight, epsilon=p.qk_norm_epsilon,
-        k_scale=p.k_scale, v_scale=p.v_scale,
-    )  # fmt: skip
+    qf, _, _ = prepare_from_params(
+        query, key, value, present_key, present_value, seqlens_k, p, dtype=torch.float32
+    )
     if q_plain is not None:
         q_plain.copy_(qf)
     if present_key.dtype == torch.int8:  # fold the K scale into Q before its one rounding
