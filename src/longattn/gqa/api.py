@@ -11,6 +11,7 @@ from .. import _cascade
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_bool,
     check_position_range,
     check_positive_int,
     check_tensor,
@@ -502,8 +503,7 @@ def group_query_attention(
     scale = _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h)
 
     shared = past_key is not None and past_cap >= total
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     if validate:
         _data_checks(
             seqlens_k, position_ids, cos_cache, s, total, past_cap if shared else total,

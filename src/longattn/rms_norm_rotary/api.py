@@ -8,6 +8,7 @@ from .. import _cascade
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_bool,
     check_out_dtype,
     check_position_range,
     check_positive_int,
@@ -233,8 +234,7 @@ def rms_norm_rotary(
     _, out_dtype = validate_args(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     if validate and position_ids is not None and position_ids.numel():
         if data_checks_allowed(position_ids):
             check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])

@@ -16,6 +16,7 @@ from .. import _cascade
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_bool,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
@@ -416,8 +417,7 @@ def sparse_attention_indexer(
                 f"index_block_keys has {nb} blocks < total_sequence_length // compress_ratio = "
                 f"{total_sequence_length // r}"
             )
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    check_bool("validate", validate)
     if validate and b and data_checks_allowed(seqlens_k):
         ((lo, hi),) = host_ranges(seqlens_k)
         if lo < 0 or (hi + 1) // r > nb:

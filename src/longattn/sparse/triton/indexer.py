@@ -118,6 +118,9 @@ def indexer_score_kernel(
     tl.store(dst, val, mask=(srow < seq_len)[:, None] & mask_c[None, :])
 
 
+BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
+
+
 def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpret: bool) -> dict:
     """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel.
 
@@ -131,13 +134,13 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     steps with 2 warps."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
-    s_tiles = cdiv(max(s, 1), 16)
+    s_tiles = cdiv(max(s, 1), BLOCK_S)
     block_b = 64
     for cand in (16, 32):
         if cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
             block_b = cand
             break
-    if min(s, 16) * ni <= 16:
+    if min(s, BLOCK_S) * ni <= 16:
         return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4)
     return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=2)
 
@@ -155,8 +158,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     cfg = dict(cfg)
     di_pad = max(16, next_pow2(di))
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
-    block_s = 16
-    grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, block_s), b)
+    grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, BLOCK_S), b)
     indexer_score_kernel[grid](
         q_ptr=index_query,
         k_ptr=index_block_keys,
@@ -173,8 +175,8 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         NI=num_index_heads,
         DI=di,
         DI_PAD=di_pad,
-        BLOCK_S=block_s,
-        S_TILE=min(block_s, s),
+        BLOCK_S=BLOCK_S,
+        S_TILE=min(BLOCK_S, s),
         IS_FIRST_PROMPT=is_first_prompt,
         OUT_KEYS=out_keys,
         **cfg,
