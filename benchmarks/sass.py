@@ -108,6 +108,7 @@ def _presets(cache: str):
                              HAS_SINK=False, SINK_FROM_PTR=False, **flags), 8, 3),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
+                            PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16,
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va")},

@@ -120,17 +120,35 @@ def normalize(acc, l_i):
 @triton.jit
 def load_kv_tile(
     base,  # pointer to row 0 of this (batch, kv head) in the cache
-    offs_n,  # [BLOCK_N] int32 key positions
+    start_n,  # first key position of the tile
     offs_d,  # [HEAD] int32
     stride_row,
     kv_hi,  # keys >= kv_hi are not read (they may hold garbage / NaN)
+    BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers)."""
-    ptrs = base + offs_n.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
+    """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
+
+    The tile's origin is one 64-bit scalar; the in-tile offsets are loop-invariant int32
+    (``BLOCK_N * stride_row`` < 2**31: the host checks cache strides), which saves the
+    per-element 64-bit address math of every tile."""
+    rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ptrs = (base + start_n.to(tl.int64) * stride_row) + (
+        rows[:, None] * stride_row + offs_d[None, :]
+    )
     if MASKED:
-        t = tl.load(ptrs, mask=(offs_n < kv_hi)[:, None], other=0)
+        t = tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
     else:
         t = tl.load(ptrs)
+    if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
+        return int8_to_fp16(t)
     return t.to(DOT_DTYPE)
+
+
+@triton.jit
+def int8_to_fp16(t):
+    """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
+    ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""
+    u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+    return u.to(tl.float16, bitcast=True) - 1152.0

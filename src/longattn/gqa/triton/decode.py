@@ -31,14 +31,16 @@ from ._core import (
 def _decode_block(
     acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
-    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """One KV tile [start_n, start_n + BLOCK_N) (keys >= end unread) for every packed row."""
+    """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
+    are not read and the causal/window mask applies; otherwise every key of the tile is visible
+    to every valid row (rows that must see nothing are zeroed after the loop)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, offs_n, offs_d, stride_kc, end, DOT_DTYPE, True)
+    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED)
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -51,10 +53,43 @@ def _decode_block(
         b_mask = row_ok[:, None] & (offs_n < end)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N]
     s, unit = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
-    mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
-    s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
-    v = load_kv_tile(v_base, offs_n, offs_d, stride_vc, end, DOT_DTYPE, True)
+    if MASKED:
+        mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
+        s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED)
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
+
+
+@triton.jit
+def _decode_range(
+    acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
+    window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
+    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
+    ``range`` (see prefill._attend_range), so it runs the same body in a while loop."""
+    if INTERPRET:
+        start_n = lo
+        while start_n < hi:
+            acc, m_i, l_i = _decode_block(
+                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+            )  # fmt: skip
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _decode_block(
+                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+            )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -101,6 +136,7 @@ def gqa_decode_split_kernel(
     HAS_VSCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     kvh = tl.program_id(0)
@@ -144,24 +180,29 @@ def gqa_decode_split_kernel(
     acc = tl.zeros([ROWS_PAD, HEAD], dtype=tl.float32)  # [ROWS_PAD, HEAD]
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
-    if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range (see prefill._attend_range)
-        start_n = start
-        while start_n < end:
-            acc, m_i, l_i = _decode_block(
-                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
-                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC,
-            )  # fmt: skip
-            start_n += BLOCK_N
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _decode_block(
-                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
-                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, HAS_WINDOW,
-                HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC,
-            )  # fmt: skip
+    # Keys < full_end are visible to every valid row (causal: <= the first new token's
+    # position); whole tiles of them skip the mask. The window edge keeps every tile masked.
+    full_end = tl.minimum(offset + 1, end)
+    if HAS_WINDOW:
+        full_end = start
+    full_hi = start + tl.maximum(full_end - start, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _decode_range(
+        acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
+        full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+        stride_bias_t, qk_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
+        HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
+    )  # fmt: skip
+    acc, m_i, l_i = _decode_range(
+        acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
+        end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+        stride_bias_t, qk_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
+        HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
+    )  # fmt: skip
+    # Rows that must see nothing (padding, first-prompt rows past the sequence end) may have
+    # folded unmasked tiles: they end empty.
+    l_i = tl.where(row_ok, l_i, 0.0)
 
     o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
     if HAS_VSCALE:

@@ -36,6 +36,17 @@ def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dty
     return torch.float16 if cache_dtype == torch.float16 else act_dtype
 
 
+def pv_dtype_for(dot_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """V operand dtype of the decode P.V dot: the dot dtype, except int8 V with a 16-bit dot,
+    which enters as fp16. Its integers are exact in fp16 and reach it through an integer xor +
+    one fp16 subtract (``_core.int8_to_fp16``: fewer instructions than the bf16 conversion, and
+    the decode loop of an int8 cache is instruction-issue bound); P rounded to fp16 carries 3
+    more mantissa bits than bf16."""
+    if cache_dtype == torch.int8 and dot_dtype in (torch.float16, torch.bfloat16):
+        return torch.float16
+    return dot_dtype
+
+
 def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int) -> int:
     """Splits of the key range so that B * KV * splits fills the SMs a few waves deep.
 
@@ -268,6 +279,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         GROUP=p.group,
         HEAD=h,
         ROWS_PAD=max(16, next_pow2(s * p.group)),
+        PV_DTYPE=_TL_DTYPES[pv_dtype_for(q_rot.dtype, present_value.dtype)],
         **_common_flags(p, present_value, q_rot),
         **cfg,
     )

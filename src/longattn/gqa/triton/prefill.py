@@ -55,7 +55,7 @@ def _attend_block(
     """One KV tile [start_n, start_n + BLOCK_N) folded into the running softmax state."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, offs_n, offs_d, stride_kc, kv_hi, DOT_DTYPE, MASKED)
+    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED)
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -69,7 +69,7 @@ def _attend_block(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, kv_hi, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    v = load_kv_tile(v_base, offs_n, offs_d, stride_vc, kv_hi, DOT_DTYPE, MASKED)
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED)
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
