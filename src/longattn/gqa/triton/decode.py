@@ -217,11 +217,12 @@ def gqa_decode_split_kernel(
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size, dot and cache
     dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
-    int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 717 us vs 742
-    (64, 4 stages) and 765 (128, 4 stages), ~3.0 TB/s of int8 bytes, 1.36x the bf16 cache. The
-    int8 path is bound by getting V's bytes into the P.V MMA layout (key-major pairs, read from
-    shared memory byte by byte), not by the integer conversion: converting before shared memory
-    (ldmatrix-transposed 16-bit V, measured with inline-PTX conversion) was slower (872 us)."""
+    int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 658 us vs 699
+    (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps), ~3.3 TB/s of int8 bytes, 1.49x the
+    bf16 cache. The int8 loop is instruction-issue bound (sm_90 SASS, BLOCK_N=128: 1081
+    instructions per tile after the fp16 V conversion, unmasked interior tiles and int32
+    in-tile offsets; 1518 before): V's bytes reach the P.V MMA layout one byte-load each
+    (key-major pairs), and each K/V element costs ~1.5-2 integer/half ops to convert."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:
