@@ -300,8 +300,10 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     if q_dtype == torch.float32:
         return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
     # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
-    # registers without spills (int8 included); larger tiles spill
-    return dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=3)
+    # registers without spills (int8 included); larger tiles spill. H200 sweep (benchmarks/
+    # results/tune_dsa_h200.json, H=256 bf16, T=128K): 2 stages are as fast or faster than 3-4
+    # at every (B, S) and splits count (a split holds only a few tiles).
+    return dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=2 if head > 128 else 3)
 
 
 def plan_splits(
@@ -309,12 +311,15 @@ def plan_splits(
 ) -> tuple[int, int, int]:
     """``(chunk, win_splits, sel_splits)`` from host-known sizes only (no sync).
 
-    ``rows * kv * (win_splits + sel_splits)`` programs should fill the SMs about twice;
-    each split at least one tile of ``block_n`` candidates; at most ``MAX_SPLITS`` in all.
-    ``num_splits`` (tuning hook) asks for about that many splits in all.
+    ``rows * kv * (win_splits + sel_splits)`` programs should fill the SMs about twice, four
+    times when there are at most 16 (row, KV head) pairs (H200, B=4 S=1 T=128K: 33 splits
+    22.8 us vs 17 splits 25.3 us; at B=4 S=8 more splits are slower); each split at least one
+    tile of ``block_n`` candidates; at most ``MAX_SPLITS`` in all. ``num_splits`` (tuning hook)
+    asks for about that many splits in all.
     """
     cand = max(window, 0) + max_sel
-    want = num_splits or cdiv(2 * num_sms, max(rows * kv, 1))
+    pairs = max(rows * kv, 1)
+    want = num_splits or cdiv((4 if pairs <= 16 else 2) * num_sms, pairs)
     want = max(1, min(want, MAX_SPLITS - 1))
     chunk = max(block_n, cdiv(cdiv(max(cand, 1), want), block_n) * block_n)
     win = cdiv(window, chunk) if window > 0 else 0
