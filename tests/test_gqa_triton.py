@@ -17,6 +17,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from longattn._attention_torch import (
     attention_unfused,
@@ -28,6 +30,7 @@ from longattn._rotary import rope_cache
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
+from longattn.gqa.triton._core import int8_to_fp16
 from longattn.gqa.triton.launch import gqa_triton
 from longattn.testing import assert_close_to_fp64, nan_tensor
 
@@ -403,3 +406,37 @@ def test_decode_cuda_graph_capturable(device):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
     torch.testing.assert_close(pk2, pk1, atol=0, rtol=0, equal_nan=True)
+
+
+@triton.jit
+def _convert(src_ptr, dst_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(dst_ptr + offs, int8_to_fp16(tl.load(src_ptr + offs)))
+
+
+@pytest.mark.interpret
+def test_int8_to_fp16_exact_for_every_byte(device):
+    """``_core.int8_to_fp16`` (xor + fp16 subtract, the int8 V path of decode) maps each of the
+    256 int8 values to the same fp16 integer as a plain cast."""
+    src = torch.arange(-128, 128, dtype=torch.int16, device=device).to(torch.int8)
+    dst = torch.full((256,), float("nan"), dtype=torch.float16, device=device)
+    _convert[(1,)](src, dst)
+    torch.testing.assert_close(dst, src.to(torch.float16), atol=0, rtol=0)
+
+
+def test_triton_gate_refuses_cache_row_strides_beyond_int32_tile_offsets():
+    """The kernels address a K/V tile as one 64-bit origin + int32 in-tile offsets; a cache whose
+    row stride would overflow those is refused by the triton gate, naming the argument."""
+    from longattn import group_query_attention
+    from longattn.gqa.api import MAX_TRITON_ROW_STRIDE
+
+    n, kv, h, cap = 2, 1, 16, 2
+    q = torch.randn(1, 1, n * h)
+    k, v = torch.randn(1, 1, kv * h), torch.randn(1, 1, kv * h)
+    store = torch.zeros((cap - 1) * MAX_TRITON_ROW_STRIDE + h)
+    pk = store.as_strided((1, kv, cap, h), (store.numel(), store.numel(), MAX_TRITON_ROW_STRIDE, 1))
+    pv = torch.zeros(1, kv, cap, h)
+    seqlens = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"present_key\.stride\(2\)"):
+        group_query_attention(q, k, v, pk, pv, seqlens_k=seqlens, total_sequence_length=1,
+                              num_heads=n, kv_num_heads=kv, backend="triton")  # fmt: skip
