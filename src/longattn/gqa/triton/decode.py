@@ -37,7 +37,7 @@ def _decode_block(
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
-    to every valid row (rows that must see nothing are zeroed after the loop)."""
+    to every packed row (the kernel takes such tiles only when every stored row is valid)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED)
@@ -182,6 +182,8 @@ def gqa_decode_split_kernel(
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
     # Keys < full_end are visible to every valid row (causal: <= the first new token's
     # position); whole tiles of them skip the mask. The window edge keeps every tile masked.
+    # Such tiles need offset >= BLOCK_N, i.e. a subsequent prompt, where every stored row is
+    # valid (row_ok == in_rows); a first prompt's padding rows only meet masked tiles.
     full_end = tl.minimum(offset + 1, end)
     if HAS_WINDOW:
         full_end = start
@@ -200,9 +202,6 @@ def gqa_decode_split_kernel(
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip
-    # Rows that must see nothing (padding, first-prompt rows past the sequence end) may have
-    # folded unmasked tiles: they end empty.
-    l_i = tl.where(row_ok, l_i, 0.0)
 
     o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
     if HAS_VSCALE:
