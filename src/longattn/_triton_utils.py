@@ -12,6 +12,14 @@ from ._cascade import interpreter_active
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(stride over KV heads, stride over channels) of an int8 cache's ``[1]`` or
+    ``[KV, 1, H]`` scale; ``(0, 0)`` for a per-tensor scale or none."""
+    if scale is None or scale.dim() == 1:
+        return 0, 0
+    return scale.stride(0), scale.stride(2)
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of host ints. ``triton.cdiv`` is a constexpr function in triton 3.6: a
     host call costs ~3 us (it re-imports and unwraps its arguments each time), and a decode

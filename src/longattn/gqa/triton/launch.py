@@ -18,6 +18,7 @@ from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
+from ..._triton_utils import scale_strides as _scale_strides
 from .._params import GQAParams
 from ._core import LOG2E
 from .decode import decode_config, gqa_decode_split_kernel
@@ -57,13 +58,6 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     want = cdiv(target, max(batch * kv_heads, 1))
     cap = max(1, cdiv(span, 4 * block_n))
     return max(1, min(next_pow2(want), next_pow2(cap), 256))
-
-
-def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
-    """(stride over kv heads, stride over channels) of a [1] or [KV, 1, H] scale."""
-    if scale is None or scale.dim() == 1:
-        return 0, 0
-    return scale.stride(0), scale.stride(2)
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:

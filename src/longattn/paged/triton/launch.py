@@ -22,6 +22,7 @@ from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import device_sms as _device_sms
 from ..._triton_utils import interpret as _interpret
+from ..._triton_utils import scale_strides as _scale_strides
 from ...gqa.triton._core import LOG2E
 from ...gqa.triton.prefill import prefill_config
 from .._params import PagedParams
@@ -56,13 +57,6 @@ def unsupported_reason(head_size: int, block_size: int, act_dtype: torch.dtype) 
     if act_dtype not in _TL_DTYPES:
         return f"activation dtype {act_dtype} not in {tuple(_TL_DTYPES)}"
     return None
-
-
-def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
-    """(stride over kv heads, stride over channels) of a [1] or [KV, 1, H] scale."""
-    if scale is None or scale.dim() == 1:
-        return 0, 0
-    return scale.stride(0), scale.stride(2)
 
 
 def _logit_scalars(p: PagedParams) -> tuple[float, float]:

@@ -36,17 +36,17 @@ import triton.language as tl
 
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
+from ..._triton_utils import TL_DTYPES as _TL
 from ..._triton_utils import cdiv, next_pow2
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
+from ..._triton_utils import scale_strides as _scale_strides
 from .._params import DSAParams
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # bound on splits per (row, KV head) (the merge loops over them)
 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
-
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,13 +325,6 @@ def plan_splits(
     win = cdiv(window, chunk) if window > 0 else 0
     sel = max(1, cdiv(max_sel, chunk))
     return chunk, win, sel
-
-
-def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
-    """(stride over KV heads, stride over channels) of a [1] or [KV, 1, H] scale."""
-    if scale is None or scale.dim() == 1:
-        return 0, 0
-    return scale.stride(0), scale.stride(2)
 
 
 def triton_prologue_fits(p: DSAParams) -> bool:
