@@ -12,6 +12,7 @@ sets, with ``plan_splits`` / ``decode_config`` of the Triton tier overridden. Wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -30,8 +31,37 @@ from longattn._triton_utils import cdiv  # noqa: E402
 T = 131072
 
 
-def _time(layer, s, seqlens, sets):
-    return bs._graph_time(functools.partial(bs._dsa_sel, layer, seqlens, T), sets)
+@contextlib.contextmanager
+def _plan(plan_splits, decode_config):
+    """The DSA tier with ``plan_splits`` / ``decode_config`` replaced (None: keep)."""
+    saved = dsa_decode.plan_splits, dsa_decode.decode_config
+    dsa_decode.plan_splits = plan_splits or saved[0]
+    dsa_decode.decode_config = decode_config or saved[1]
+    try:
+        yield
+    finally:
+        dsa_decode.plan_splits, dsa_decode.decode_config = saved
+
+
+def _cases(spec, default_t):
+    """``BxS`` or ``BxSxT`` items -> (b, s, t, layer, seqlens, sets), one case at a time."""
+    for case in spec.split(","):
+        b, s, t = ([int(x) for x in case.split("x")] + [default_t])[:3]
+        layer = bs.Layer(b, t + 64, torch.bfloat16)
+        seqlens, sets = bs._inputs(layer, s, t, 4, bs.BUDGET)
+        yield b, s, t, layer, seqlens, sets
+        del layer, sets
+        torch.cuda.empty_cache()
+
+
+def _time(layer, seqlens, t, sets):
+    return round(bs._graph_time(functools.partial(bs._dsa_sel, layer, seqlens, t), sets), 2)
+
+
+def _save(args, name, rows):
+    out = Path(args.out or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1))
 
 
 def main(argv=None):
@@ -48,33 +78,30 @@ def main(argv=None):
         return ab(args)
     torch.manual_seed(0)
     rows = []
-    plan0, cfg0 = dsa_decode.plan_splits, dsa_decode.decode_config
-    for case in args.cases.split(","):
-        b, s = (int(x) for x in case.split("x"))
-        layer = bs.Layer(b, T + 64, torch.bfloat16)
-        seqlens, sets = bs._inputs(layer, s, T, 4, bs.BUDGET)
-        base = _time(layer, s, seqlens, sets)
-        rows.append(dict(B=b, S=s, plan="default", us=round(base, 2)))
+    plan0 = dsa_decode.plan_splits
+    for b, s, t, layer, seqlens, sets in _cases(args.cases, T):
+        rows.append(dict(B=b, S=s, plan="default", us=_time(layer, seqlens, t, sets)))
         print(rows[-1], flush=True)
         for splits in (8, 16, 33, 66, 127):
             for stages, warps in ((2, 4), (3, 4), (4, 4), (3, 8)):
-                dsa_decode.plan_splits = lambda *a, _n=splits: plan0(*a[:6], _n)
-                dsa_decode.decode_config = lambda *a, _s=stages, _w=warps: dict(
-                    BLOCK_N=32, num_warps=_w, num_stages=_s
-                )
+                plan = functools.partial(_fixed_splits, plan0, splits)
+                cfg = functools.partial(_fixed_config, stages, warps)
                 try:
-                    us = round(_time(layer, s, seqlens, sets), 2)
+                    with _plan(plan, cfg):
+                        us = _time(layer, seqlens, t, sets)
                 except Exception as exc:  # pragma: no cover - e.g. out of shared memory
                     us = f"{type(exc).__name__}"
-                finally:
-                    dsa_decode.plan_splits, dsa_decode.decode_config = plan0, cfg0
                 rows.append(dict(B=b, S=s, splits=splits, stages=stages, warps=warps, us=us))
                 print(rows[-1], flush=True)
-        del layer, sets
-        torch.cuda.empty_cache()
-    out = Path(args.out or Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_dsa.json").write_text(json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1))
+    _save(args, "tune_dsa.json", rows)
+
+
+def _fixed_splits(plan0, splits, *args):
+    return plan0(*args[:6], splits)
+
+
+def _fixed_config(stages, warps, *args):
+    return dict(BLOCK_N=32, num_warps=warps, num_stages=stages)
 
 
 def ab(args):
@@ -85,27 +112,17 @@ def ab(args):
     def old_plan(r, kv, window, max_sel, block_n, num_sms, num_splits=None):
         return plan0(r, kv, window, max_sel, block_n, num_sms, cdiv(2 * num_sms, max(r * kv, 1)))
 
-    for case in args.cases.split(","):
-        b, s, t = (int(x) for x in case.split("x"))
-        layer = bs.Layer(b, t + 64, torch.bfloat16)
-        seqlens, sets = bs._inputs(layer, s, t, 4, bs.BUDGET)
-        fn = functools.partial(bs._dsa_sel, layer, seqlens, t)
+    def old_config(*a):
+        return dict(cfg0(*a), num_stages=3)
+
+    for b, s, t, layer, seqlens, sets in _cases(args.cases, T):
         for rep in range(2):
-            for name in ("old", "new"):
-                if name == "old":
-                    dsa_decode.plan_splits = old_plan
-                    dsa_decode.decode_config = lambda *a: dict(cfg0(*a), num_stages=3)
-                try:
-                    us = round(bs._graph_time(fn, sets), 2)
-                finally:
-                    dsa_decode.plan_splits, dsa_decode.decode_config = plan0, cfg0
+            for name, plan, cfg in (("old", old_plan, old_config), ("new", None, None)):
+                with _plan(plan, cfg):
+                    us = _time(layer, seqlens, t, sets)
                 rows.append(dict(B=b, S=s, T=t, plan=name, rep=rep, us=us))
                 print(rows[-1], flush=True)
-        del layer, sets
-        torch.cuda.empty_cache()
-    out = Path(args.out or Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_dsa_ab.json").write_text(json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1))
+    _save(args, "tune_dsa_ab.json", rows)
 
 
 if __name__ == "__main__":
