@@ -61,12 +61,14 @@ def triton_gate_reason(
 MAX_TRITON_ROW_STRIDE = 2**31 // 256  # the kernels' in-tile offsets (<= 256 rows) are int32
 
 
-def gates(query: torch.Tensor, present_key: torch.Tensor, p: GQAParams, present_value=None):
+def gates(
+    query: torch.Tensor, present_key: torch.Tensor, present_value: torch.Tensor, p: GQAParams
+):
     """Tier gates for these inputs: {tier: gate(explicit) -> (ok, reason)}."""
 
     def triton_gate(explicit: bool):
         for name, cache in (("present_key", present_key), ("present_value", present_value)):
-            if cache is not None and cache.stride(2) >= MAX_TRITON_ROW_STRIDE:
+            if cache.stride(2) >= MAX_TRITON_ROW_STRIDE:
                 return False, (
                     f"{name}.stride(2) = {cache.stride(2)} >= {MAX_TRITON_ROW_STRIDE} "
                     "(the triton kernels' in-tile row offsets are int32)"
@@ -88,7 +90,7 @@ def gates(query: torch.Tensor, present_key: torch.Tensor, p: GQAParams, present_
 
 
 def _run(query, key, value, present_key, present_value, seqlens_k, p: GQAParams, backend: str):
-    tier = _cascade.select_backend(OP_NAME, backend, gates(query, present_key, p, present_value))
+    tier = _cascade.select_backend(OP_NAME, backend, gates(query, present_key, present_value, p))
     if tier == "triton":
         from .triton import gqa_triton
 
