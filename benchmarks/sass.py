@@ -108,7 +108,7 @@ def _presets(cache: str):
                              HAS_SINK=False, SINK_FROM_PTR=False, **flags), 8, 3),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
-                            PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16,
+                            PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va")},
@@ -116,7 +116,7 @@ def _presets(cache: str):
                         "cnt_ptr": "*i32", "seqlens_ptr": "*i32", "qk_scale": "fp32"},
                        dict(NUM_HEADS=24, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16, BLOCK_N=32,
                             IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
-                            HAS_VSCALE=cache == "i8", INTERPRET=False,
+                            HAS_VSCALE=cache == "i8", INTERPRET=False, PDL=False,
                             **{f"{a}_{b}_{c}": (tl.bfloat16 if c == "DTYPE" else "tf32")
                                for a in ("MAIN", "SEL") for b in ("QK", "PV")
                                for c in ("DTYPE", "PREC")}), 4, 3),
@@ -124,7 +124,7 @@ def _presets(cache: str):
                 {"x_ptr": "*bf16", "out_ptr": "*fp16", "pos_ptr": "*bf16", "eps": "fp32"},
                 dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, HALF_PAD=64, BLOCK_N=8, ROT_OFF=0,
                      ROT_DIM=128, IS_PARTIAL=False, HAS_POS=False, INTERLEAVED=False,
-                     EXACT=True, TILE_TABLES=False), 2, 1),
+                     EXACT=True, TILE_TABLES=False, PDL=False), 2, 1),
     }  # fmt: skip
 
 

@@ -114,3 +114,27 @@ def test_eager_fast_path_only_for_plain_eager_calls():
 
     torch.compile(f, backend="eager", fullgraph=True)(x)
     assert seen == [False]
+
+
+@pytest.mark.parametrize("capability, disabled, interp, want", [
+    ((9, 0), False, False, True),
+    ((10, 0), False, False, True),
+    ((8, 0), False, False, False),  # griddepcontrol needs sm_90
+    ((9, 0), True, False, False),  # LONGATTN_DISABLE_PDL=1
+    ((9, 0), False, True, False),  # the interpreter has no grid dependency control
+])  # fmt: skip
+def test_pdl_gate(monkeypatch, capability, disabled, interp, want):
+    """Programmatic dependent launch only where griddepcontrol exists, and it can be turned off;
+    kernels then get PDL=False and no launch_pdl keyword."""
+    from longattn import _triton_utils as tu
+
+    monkeypatch.setattr(tu, "cuda_capability", lambda index: capability)
+    monkeypatch.setattr(tu, "interpret", lambda: interp)
+    monkeypatch.setenv("LONGATTN_DISABLE_PDL", "1" if disabled else "0")
+    tu._pdl_on.cache_clear()
+    try:
+        assert tu.pdl_enabled(torch.device("cuda", 0)) is want
+        assert tu.pdl_enabled(torch.device("cpu")) is False
+        assert tu.pdl_kwargs(torch.zeros(1)) == {"PDL": False}
+    finally:
+        tu._pdl_on.cache_clear()

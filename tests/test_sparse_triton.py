@@ -417,7 +417,7 @@ def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
         merge_splits_kernel[(rn, triton.cdiv(head, block_d))](
             o_part_ptr=o_dev, lse_part_ptr=lse_dev, sink_ptr=sink_v.float().to(DEV), o_ptr=out,
             num_splits=splits, NUM_HEADS=n, HEAD=head, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, HAS_SINK=sink, SINK_FROM_PTR=sink,
+            BLOCK_D=block_d, HAS_SINK=sink, SINK_FROM_PTR=sink, PDL=False,
         )  # fmt: skip
     logits = lse * math.log(2.0)
     if sink:

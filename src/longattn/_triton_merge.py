@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import cdiv, next_pow2
+from ._triton_utils import cdiv, next_pow2, pdl_kwargs, wait_prior_grids
 
 MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 
@@ -38,7 +38,9 @@ def merge_splits_kernel(
     BLOCK_D: tl.constexpr,  # channels per program
     HAS_SINK: tl.constexpr,
     SINK_FROM_PTR: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     rn = tl.program_id(0).to(tl.int64)  # r * N + n
     offs_p = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -89,6 +91,7 @@ def merge_splits(
     splits_pad = next_pow2(max(splits, 1))  # no split: zeros (den = 0)
     block_d = merge_block_d(head, splits_pad)
     merge_splits_kernel[(rows_n, cdiv(head, block_d))](
+        **pdl_kwargs(o_part),
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         sink_ptr=head_sink if head_sink is not None else lse_part,

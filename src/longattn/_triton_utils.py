@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from ._cascade import interpreter_active
+from ._cascade import _truthy, cuda_capability, interpreter_active
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -49,3 +52,39 @@ def num_sms(device_index: int) -> int:
 def device_sms(t: torch.Tensor) -> int:
     index = (t.device.index or 0) if t.device.type == "cuda" else 0
     return num_sms(index)
+
+
+@functools.cache
+def _pdl_on(device_index: int, disabled: bool) -> bool:
+    return not disabled and not interpret() and cuda_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (``pdl_kwargs``):
+    CUDA sm_90+, not the interpreter, and ``LONGATTN_DISABLE_PDL`` unset (read per call)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _pdl_on(index, _truthy(os.environ.get("LONGATTN_DISABLE_PDL")))
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """Launch keywords of a decode-chain kernel that takes a ``PDL: tl.constexpr`` flag.
+
+    Where ``pdl_enabled(t.device)``, the kernel is launched with programmatic dependent launch
+    (``launch_pdl``): the GPU may start launching it while the previous kernel of the stream
+    drains, and the kernel's first statement (``wait_prior_grids``) blocks until that kernel
+    has completed and its memory is visible. No kernel triggers its dependents early, so every
+    kernel still starts its loads after all earlier work of the stream; only the launch latency
+    overlaps the previous kernel's tail (H200, a CUDA graph of 16 dependent 132-CTA kernels:
+    1.61 -> 1.16 us per kernel)."""
+    if pdl_enabled(t.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def wait_prior_grids(PDL: tl.constexpr):
+    """First statement of a kernel launched with ``pdl_kwargs``: wait for the previous grid."""
+    if PDL:
+        gdc_wait()

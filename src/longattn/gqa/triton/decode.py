@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_utils import wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
@@ -138,7 +139,9 @@ def gqa_decode_split_kernel(
     DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)

@@ -15,7 +15,7 @@ import torch
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, next_pow2
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -91,6 +91,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     vs_h, vs_d = _scale_strides(vs if quant_v else None)
     grid = (b * s, cdiv(n, block_h) + cdiv(kv, block_h))
     gqa_prologue_kernel[grid](
+        **pdl_kwargs(query),
         q_ptr=query,
         k_ptr=key,
         v_ptr=value,
@@ -239,6 +240,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     qk_scale, softcap_mult = _logit_scalars(p)
     gqa_decode_split_kernel[(kv, b, splits)](
+        **pdl_kwargs(q_rot),
         q_ptr=q_rot,
         k_ptr=present_key,
         v_ptr=present_value,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2
+from ..._triton_utils import next_pow2, wait_prior_grids
 
 _RINT_MAGIC = tl.constexpr(
     12582912.0
@@ -162,7 +162,9 @@ def gqa_prologue_kernel(
     IS_FIRST_PROMPT: tl.constexpr,
     K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
     s = (tok % seq_len).to(tl.int64)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._triton_utils import wait_prior_grids
 from ...gqa.triton._core import (
     add_sink,
     causal_window_mask,
@@ -206,7 +207,9 @@ def paged_attn_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     offs_b = tl.arange(0, B_PAD)  # [B_PAD]

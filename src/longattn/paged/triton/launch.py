@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, next_pow2
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs
 from ..._triton_utils import device_sms as _device_sms
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
@@ -86,6 +86,7 @@ def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, 
     batch = past.shape[0]
     grid = (tokens, cdiv(n, block_h) + cdiv(kv, block_h))
     paged_prologue_kernel[grid](
+        **pdl_kwargs(query),
         q_ptr=query,
         k_ptr=key,
         v_ptr=value,
@@ -194,6 +195,7 @@ def run_attention(q_rot, key_cache, value_cache, cu, past, table, p, out, *, fla
         HAS_SINK=has_sink, SINK_FROM_PTR=p.head_sink is not None, HAS_VSCALE=quant_v,
     )  # fmt: skip
     paged_attn_kernel[(grid_items, kv)](
+        **pdl_kwargs(q_rot),
         q_ptr=q_rot, kc_ptr=key_cache, vc_ptr=value_cache, o_ptr=out, o_part_ptr=o_part,
         lse_part_ptr=lse_part, table_ptr=table, max_blocks=table.shape[1],
         num_blocks=key_cache.shape[0], stride_table=table.stride(0), qk_scale=qk_scale,

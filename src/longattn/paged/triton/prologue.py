@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._triton_utils import wait_prior_grids
 from ...gqa.triton.prologue import _norm_rope_heads, _store_cache_rows
 from ._schedule import pick, sequence_of_token
 
@@ -66,7 +67,9 @@ def paged_prologue_kernel(
     HAS_KNORM: tl.constexpr,
     K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     t = tl.program_id(0).to(tl.int64)
     offs_b = tl.arange(0, B_PAD)  # [B_PAD]
     b = sequence_of_token(cu_ptr, t, batch, B_PAD)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cdiv, next_pow2
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, wait_prior_grids
 
 
 @triton.jit
@@ -57,7 +57,9 @@ def _rms_norm_rotary_kernel(
     INTERLEAVED: tl.constexpr,
     EXACT: tl.constexpr,
     TILE_TABLES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
     s = (tok % seq_len).to(tl.int64)
@@ -165,6 +167,7 @@ def rms_norm_rotary_triton(
     pos = position_ids if position_ids is not None else x  # dummy pointer when HAS_POS is False
     grid = (b * s, cdiv(num_heads, block_n))
     _rms_norm_rotary_kernel[grid](
+        **pdl_kwargs(x),
         x_ptr=x,
         w_ptr=weight,
         cos_ptr=cos_cache,

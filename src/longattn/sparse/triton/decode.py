@@ -37,7 +37,7 @@ import triton.language as tl
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL
-from ..._triton_utils import cdiv, next_pow2
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, wait_prior_grids
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -181,7 +181,9 @@ def dsa_split_kernel(
     SEL_PV_DTYPE: tl.constexpr,
     SEL_PV_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     row = tl.program_id(2).to(tl.int64)
@@ -427,6 +429,7 @@ def dsa_triton(
     sel_qk = _qk_operands(q_dtype, aux_k.dtype) if sel_aux else main_qk
     sel_pv = _pv_operands(q_dtype, aux_v.dtype) if sel_aux else main_pv
     dsa_split_kernel[(splits, kv, rows)](
+        **pdl_kwargs(q_rot),
         q_ptr=q_rot,
         qa_ptr=q_plain if two_q else q_rot,
         kc_ptr=present_key,

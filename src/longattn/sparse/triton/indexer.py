@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cdiv, device_sms, next_pow2
+from ..._triton_utils import cdiv, device_sms, next_pow2, pdl_kwargs, wait_prior_grids
 from .._shared import emit_selection, indexer_rows
 from .select import MAX_BLOCKS, indexer_select
 
@@ -64,7 +64,9 @@ def indexer_score_kernel(
     BLOCK_D: tl.constexpr,  # channels per dot step
     IS_FIRST_PROMPT: tl.constexpr,
     OUT_KEYS: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid_b = tl.program_id(0)
     s0 = tl.program_id(1) * BLOCK_S
     b = tl.program_id(2).to(tl.int64)
@@ -160,6 +162,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, BLOCK_S), b)
     indexer_score_kernel[grid](
+        **pdl_kwargs(index_query),
         q_ptr=index_query,
         k_ptr=index_block_keys,
         seqlens_ptr=seqlens_k,

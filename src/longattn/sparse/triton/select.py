@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2
+from ..._triton_utils import next_pow2, pdl_kwargs, wait_prior_grids
 
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 _NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
@@ -105,7 +105,9 @@ def indexer_select_kernel(
     NB_PAD: tl.constexpr,  # next power of two >= num_blocks
     BLOCK_O: tl.constexpr,  # output positions per emission tile
     IS_FIRST_PROMPT: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     row = tl.program_id(0).to(tl.int64)
     b = row // seq_len
     s = row % seq_len
@@ -207,6 +209,7 @@ def indexer_select(
     else:
         stride = scores.stride(0)
     indexer_select_kernel[(rows,)](
+        **pdl_kwargs(seqlens_k),
         score_ptr=scores,
         seqlens_ptr=seqlens_k,
         scratch_ptr=scratch,
