@@ -96,11 +96,13 @@ def _presets(cache: str):
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
     from longattn.sparse.triton.decode import dsa_split_kernel
 
-    attn_types = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
+    q16 = "fp16" if cache == "i8" else "bf16"  # int8 K: fp16 Q rows with power-of-two scales
+    attn_types = {"q_ptr": f"*{q16}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
                   "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
                   "softcap_mult": "fp32"}  # fmt: skip
     flags = dict(IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_BIAS=False,
-                 HAS_VSCALE=cache == "i8", DOT_DTYPE=tl.bfloat16, DOT_PREC="tf32",
+                 HAS_VSCALE=cache == "i8", HAS_QSCALE=cache == "i8", DOT_PREC="tf32",
+                 DOT_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16,
                  INTERPRET=False)  # fmt: skip
     return {
         "gqa-prefill": (gqa_prefill_kernel, attn_types,

@@ -428,6 +428,31 @@ def test_int8_to_fp16_exact_for_every_byte(device):
     torch.testing.assert_close(dst, src.to(torch.float16), atol=0, rtol=0)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("q_mag", [1.5, 1e-4, 3e3])
+def test_int8_cache_q_rows_scaled_by_powers_of_two(device, q_mag):
+    """int8 K with 16-bit activations: the prologue writes Q as fp16 rows scaled by a power of
+    two (largest magnitude in [2**14, 2**15)) and the inverse factors to q_scale; Q times its
+    factor is ``q * k_scale`` within half an fp16 ulp of the scaled row, for rows whose
+    unscaled product would be fp16-subnormal (1e-4 * 0.03) or large."""
+    c = Case(b=2, s=3, lens=(4, 6), first_prompt=False, n=4, kv=2, h=32, rotary=None,
+             cache=torch.int8, per_channel=True)  # fmt: skip
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    query = (query.float() * (q_mag / 1.5)).to(torch.float16)
+    q_rot = nan_tensor((c.b, c.s, c.n, c.h), torch.float16, device)
+    q_scale = nan_tensor((c.b, c.s, c.n), torch.float32, device)
+    launch.run_prologue(query, key, value, pk, pv, seqlens, p, q_rot, q_scale)
+    ks = p.k_scale.double()[:, 0, :].repeat_interleave(c.n // c.kv, dim=0)  # [N, H]
+    want = query.double().view(c.b, c.s, c.n, c.h) * ks
+    exp = torch.log2(q_scale.double())
+    assert torch.equal(exp, exp.round()), "q_scale must hold powers of two"
+    row_max = q_rot.double().abs().amax(-1)
+    assert bool(((row_max >= 2**14) & (row_max <= 2**15)).all())
+    got = q_rot.double() * q_scale.double()[..., None]
+    tol = 2.0**-11 * row_max[..., None] * q_scale.double()[..., None]  # half an ulp at 2**14
+    assert bool(((got - want).abs() <= tol).all())
+
+
 def test_triton_gate_refuses_cache_row_strides_beyond_int32_tile_offsets():
     """The kernels address a K/V tile as one 64-bit origin + int32 in-tile offsets; a cache whose
     row stride would overflow those is refused by the triton gate, naming the argument."""

@@ -11,6 +11,8 @@ Conventions shared by every piece:
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -44,6 +46,7 @@ def scores(
     q,  # [M, HEAD] dot dtype
     k,  # [BLOCK_N, HEAD] dot dtype
     qk_scale,  # scale * log2(e) without softcap; scale / softcap with softcap
+    row_scale,  # [M, 1] fp32 factor of each row's dot (a power-of-two-scaled Q), or 1.0
     softcap_mult,  # softcap * log2(e) (used only with HAS_SOFTCAP)
     bias,  # [M, BLOCK_N] fp32 natural-units bias (used only with HAS_BIAS)
     HAS_SOFTCAP: tl.constexpr,
@@ -51,19 +54,19 @@ def scores(
     DOT_PREC: tl.constexpr,
 ):
     """Logits of one K tile (mask not applied) as ``(s [M, BLOCK_N] fp32, unit)``: ``s * unit``
-    is the log2-domain logit. Plain logits stay raw dot products (``unit = qk_scale > 0``), so
-    the softmax folds the scale into one FMA with the max subtraction; softcap/bias logits come
-    out scaled (``unit = 1``)."""
+    is the log2-domain logit. Plain logits stay raw dot products (``unit = qk_scale *
+    row_scale > 0``), so the softmax folds the scale into one FMA with the max subtraction;
+    softcap/bias logits come out scaled (``unit = 1``)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
     if HAS_SOFTCAP:
-        s = softcap_log2(qk, qk_scale, softcap_mult)
+        s = softcap_log2(qk * row_scale, qk_scale, softcap_mult)
         unit = 1.0
     elif HAS_BIAS:
-        s = qk * qk_scale
+        s = qk * (qk_scale * row_scale)
         unit = 1.0
     else:
         s = qk
-        unit = qk_scale
+        unit = qk_scale * row_scale  # scalar or [M, 1]: folded into the softmax's FMA
     if HAS_BIAS:
         s = s + bias * 1.4426950408889634
     return s, unit
@@ -89,10 +92,12 @@ def online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC: tl.constexpr):
     """Fold one tile into the running (acc [M, HEAD], m [M], l [M]) state.
 
     s: [M, BLOCK_N] fp32 logits, -inf where masked, with ``s * unit`` in the log2 domain
-    (``unit > 0``: the max commutes with it); v: [BLOCK_N, HEAD] dot dtype. The P.V product
+    (``unit > 0``, a scalar or per-row ``[M, 1]``: the max commutes with it); v: [BLOCK_N,
+    HEAD] dot dtype. The P.V product
     accumulates into the rescaled acc on the tensor cores.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1) * unit)  # [M]
+    # unit: scalar or [M, 1]; the size-1 max only drops the column axis
+    m_new = tl.maximum(m_i, tl.max(tl.max(s, 1)[:, None] * unit, 1))  # [M]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay finite
     alpha = tl.exp2(m_i - m_safe)  # [M]
     p = tl.exp2(s * unit - m_safe[:, None])  # [M, BLOCK_N], one FMA + exp2 per logit
@@ -127,12 +132,17 @@ def load_kv_tile(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
+    KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
 ):
     """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
 
     The tile's origin is one 64-bit scalar; the in-tile offsets are loop-invariant int32
     (``BLOCK_N * stride_row`` < 2**31: the host checks cache strides), which saves the
-    per-element 64-bit address math of every tile."""
+    per-element 64-bit address math of every tile.
+
+    int8 -> fp16 (exact): K reaches its MMA operand registers four bytes (consecutive
+    channels) per register, which ``int8x4_to_fp16`` converts in 5 instructions; V arrives one
+    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ptrs = (base + start_n.to(tl.int64) * stride_row) + (
         rows[:, None] * stride_row + offs_d[None, :]
@@ -142,8 +152,13 @@ def load_kv_tile(
     else:
         t = tl.load(ptrs)
     if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
+        if KEYS:
+            return int8x4_to_fp16(t)
         return int8_to_fp16(t)
     return t.to(DOT_DTYPE)
+
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 @triton.jit
@@ -152,3 +167,28 @@ def int8_to_fp16(t):
     ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""
     u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
     return u.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def int8x4_to_fp16(t):
+    """``int8_to_fp16`` four bytes at a time (PTX): one xor flips the four sign bits, two byte
+    permutes place the bytes under fp16 exponent bytes 0x64 (``1024 + t + 128``), two packed
+    fp16 subtracts remove the 1152. The interpreter runs ``int8_to_fp16`` (same values)."""
+    if _INTERPRET:
+        return int8_to_fp16(t)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, c;
+        xor.b32 u, $2, 0x80808080;
+        mov.b32 c, 0x64806480;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        constraints="=r,=r,r",
+        args=[t],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )

@@ -32,7 +32,8 @@ from ._core import (
 def _decode_block(
     acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
-    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -41,7 +42,7 @@ def _decode_block(
     to every packed row (the kernel takes such tiles only when every stored row is valid)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED)
+    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED, True)
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -53,11 +54,11 @@ def _decode_block(
         )
         b_mask = row_ok[:, None] & (offs_n < end)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N]
-    s, unit = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED)
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False)
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
@@ -65,7 +66,8 @@ def _decode_block(
 def _decode_range(
     acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
-    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -78,7 +80,7 @@ def _decode_range(
             acc, m_i, l_i = _decode_block(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
+                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
             start_n += BLOCK_N
@@ -87,7 +89,7 @@ def _decode_range(
             acc, m_i, l_i = _decode_block(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
+                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
                 HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -102,6 +104,7 @@ def gqa_decode_split_kernel(
     max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
     bias_ptr,  # [B|1, N|1, S, T]
     vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
+    qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
     o_part_ptr,  # [B, S, N, splits, HEAD] fp32
     lse_part_ptr,  # [B, S, N, splits] fp32
     seq_len,
@@ -135,6 +138,7 @@ def gqa_decode_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_VSCALE: tl.constexpr,
+    HAS_QSCALE: tl.constexpr,  # Q rows carry a power-of-two scale (qs_ptr): int8 K in fp16
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -170,6 +174,10 @@ def gqa_decode_split_kernel(
         + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
+    row_scale = 1.0
+    if HAS_QSCALE:
+        qs_rows = qs_ptr + (b64 * seq_len + s_idx) * NUM_HEADS + n_idx  # [ROWS_PAD]
+        row_scale = tl.load(qs_rows, mask=in_rows, other=1.0)[:, None]  # [ROWS_PAD, 1]
 
     kv_hi = tl.minimum(offset + rows_valid, total_len)
     kv_lo = 0
@@ -194,14 +202,14 @@ def gqa_decode_split_kernel(
     acc, m_i, l_i = _decode_range(
         acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
         full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
-        stride_bias_t, qk_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
+        stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip
     acc, m_i, l_i = _decode_range(
         acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
         end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
-        stride_bias_t, qk_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
+        stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip

@@ -5,8 +5,9 @@ is read on the device; the host uses only shapes and ``p.total_sequence_length``
 
 Dot dtype (the dtype of the rotated-Q scratch buffer and of the tensor-core operands): fp16 when
 the cache is fp16 (bf16 activations with an fp16 cache: both operands then carry 11 significant
-bits), else the activation dtype (int8 cache values are exact integers in any of them). fp32
-activations use exact fp32 dots (``input_precision="ieee"``), never tf32.
+bits); fp16 for an int8 K cache with 16-bit activations, Q rows scaled by powers of two that the
+kernels undo on the fp32 dot products (``prologue``; ``q_scale``); else the activation dtype.
+fp32 activations use exact fp32 dots (``input_precision="ieee"``), never tf32.
 """
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ def _logit_scalars(p: GQAParams) -> tuple[float, float]:
     return p.scale * LOG2E, 0.0
 
 
-def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot):
-    """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches."""
+def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
+                 q_scale=None):  # fmt: skip
+    """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches.
+    ``q_scale [B, S, N]`` fp32 (int8 K, fp16 q_rot): receives each Q row's power-of-two factor
+    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
     b, s, _ = query.shape
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     if key is None:  # packed QKV
@@ -106,6 +110,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         vc_ptr=present_value,
         ks_ptr=ks if quant_k else q_rot,
         vs_ptr=vs if quant_v else q_rot,
+        qs_ptr=q_scale if q_scale is not None else q_rot,
         seq_len=s,
         max_pos=cos.shape[0] if has_rot else 1,
         cache_len=present_key.shape[2],
@@ -147,13 +152,15 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         IS_FIRST_PROMPT=p.is_first_prompt,
         K_QUANT=quant_k,
         V_QUANT=quant_v,
+        Q_POW2=q_scale is not None,
         num_warps=num_warps,
     )
 
 
-def _common_flags(p: GQAParams, present_value, q_rot) -> dict:
+def _common_flags(p: GQAParams, present_value, q_rot, q_scale) -> dict:
     dot = q_rot.dtype
     return dict(
+        HAS_QSCALE=q_scale is not None,
         IS_FIRST_PROMPT=p.is_first_prompt,
         HAS_WINDOW=p.local_window_size > 0,
         HAS_SOFTCAP=p.softcap > 0,
@@ -165,7 +172,7 @@ def _common_flags(p: GQAParams, present_value, q_rot) -> dict:
     )
 
 
-def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
+def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, q_scale=None):
     """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
     b, s = q_rot.shape[:2]
     bias = p.attention_bias
@@ -188,6 +195,7 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
         bias_ptr=bias if bias is not None else q_rot,
         sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
         vs_ptr=p.v_scale if quant_v else q_rot,
+        qs_ptr=q_scale if q_scale is not None else q_rot,
         seq_len=s,
         window=max(p.local_window_size, 0),
         stride_qb=q_rot.stride(0),
@@ -214,12 +222,13 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
         HEAD=p.head_size,
         HAS_SINK=p.head_sink is not None or p.smooth_softmax,
         SINK_FROM_PTR=p.head_sink is not None,
-        **_common_flags(p, present_value, q_rot),
+        **_common_flags(p, present_value, q_rot, q_scale),
         **cfg,
     )
 
 
-def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None):
+def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
+               q_scale=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge."""
     b, s = q_rot.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
@@ -248,6 +257,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         max_total=p.total_sequence_length,
         bias_ptr=bias if bias is not None else q_rot,
         vs_ptr=p.v_scale if quant_v else q_rot,
+        qs_ptr=q_scale if q_scale is not None else q_rot,
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         seq_len=s,
@@ -276,7 +286,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         HEAD=h,
         ROWS_PAD=max(16, next_pow2(s * p.group)),
         PV_DTYPE=_TL_DTYPES[pv_dtype_for(q_rot.dtype, present_value.dtype)],
-        **_common_flags(p, present_value, q_rot),
+        **_common_flags(p, present_value, q_rot, q_scale),
         **cfg,
     )
     merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
@@ -312,13 +322,15 @@ def gqa_triton(
     out = _empty((b, s, n * h), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    q_rot = _empty(
-        (b, s, n, h), dtype=dot_dtype_for(query.dtype, present_key.dtype), device=query.device
-    )
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
+    q_pow2 = present_key.dtype == torch.int8 and query.dtype != torch.float32
+    dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
+    q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
+    q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
     if path == "decode":
-        run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits)
+        run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
+                   q_scale)  # fmt: skip
     else:
-        run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
+        run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg, q_scale)
     return out

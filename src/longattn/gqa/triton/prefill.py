@@ -42,6 +42,7 @@ def _attend_block(
     stride_bias_s,
     stride_bias_t,
     qk_scale,
+    row_scale,  # [BLOCK_M, 1] fp32 (power-of-two Q scale) or 1.0
     softcap_mult,
     HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -55,7 +56,7 @@ def _attend_block(
     """One KV tile [start_n, start_n + BLOCK_N) folded into the running softmax state."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED)
+    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, True)
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -65,19 +66,19 @@ def _attend_block(
         )
         b_mask = in_s[:, None] & (offs_n < kv_hi)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
-    s, unit = scores(q, k, qk_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, kv_hi, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED)
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, False)
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
 @triton.jit
 def _attend_range(
     acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start, end, kv_hi, window,
-    stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale, softcap_mult,
-    HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale, row_scale,
+    softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -90,7 +91,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-                softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
+                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
                 DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
             start_n += BLOCK_N
@@ -99,7 +100,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-                softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
+                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
                 DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
     return acc, m_i, l_i
@@ -116,6 +117,7 @@ def gqa_prefill_kernel(
     bias_ptr,  # [B|1, N|1, S, T] (strides 0 on broadcast dims)
     sink_ptr,  # [N]
     vs_ptr,  # v_scale: [1] or [KV, 1, HEAD] fp32
+    qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
     seq_len,
     window,
     stride_qb,
@@ -149,6 +151,7 @@ def gqa_prefill_kernel(
     HAS_SINK: tl.constexpr,  # a sink logit joins the denominator
     SINK_FROM_PTR: tl.constexpr,  # head_sink[n]; else 0 (smooth_softmax)
     HAS_VSCALE: tl.constexpr,
+    HAS_QSCALE: tl.constexpr,  # Q rows carry a power-of-two scale (qs_ptr): int8 K in fp16
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,  # run loops as while loops (see _attend_range)
@@ -194,6 +197,10 @@ def gqa_prefill_kernel(
             + offs_d[None, :]
         )
         q = tl.load(q_ptrs, mask=in_s[:, None], other=0.0)  # [BLOCK_M, HEAD]
+        row_scale = 1.0
+        if HAS_QSCALE:
+            qs_rows = qs_ptr + (b64 * seq_len + offs_s) * NUM_HEADS + n  # [BLOCK_M]
+            row_scale = tl.load(qs_rows, mask=in_s, other=1.0)[:, None]  # [BLOCK_M, 1]
         q_lo = offset + m0
         q_hi = offset + tl.minimum(m0 + BLOCK_M, rows_valid) - 1
         kv_hi = tl.minimum(q_hi + 1, total_len)
@@ -218,19 +225,19 @@ def gqa_prefill_kernel(
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, kv_lo, full_lo,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_lo, full_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_hi, kv_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         if HAS_SINK:

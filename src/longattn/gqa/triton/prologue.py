@@ -9,7 +9,13 @@ stored value is rounded exactly once.
 
 int8 K caches: the K scale is folded into Q here (``q * k_scale[kv(head), d]`` before Q's one
 rounding), so the attention kernels multiply Q by the stored integers, which the dot dtype
-represents exactly: no dequantization rounding of K at all.
+represents exactly: no dequantization rounding of K at all. With 16-bit activations
+(``Q_POW2``) that dot dtype is fp16 whatever the activation dtype: each (token, head) row of Q
+is multiplied by a power of two that puts its largest magnitude in ``[2**14, 2**15)`` before
+its one rounding to fp16 (11 significant bits, never overflowing, and no underflow of a small
+``q * k_scale``), and the inverse power of two goes to ``qs [B, S, N]`` fp32, which the
+attention kernels apply to the row's fp32 dot products (exact). The int8 keys then reach the
+fp16 tensor cores through an xor and one fp16 subtract (``_core.int8_to_fp16``).
 """
 
 from __future__ import annotations
@@ -106,6 +112,21 @@ def _store_cache_rows(
 
 
 @triton.jit
+def _pow2_rows(x):
+    """Rows of ``x [R, D]`` fp32 times ``2**(14 - e)``, ``e = floor(log2(max |row|))``, so each
+    row's largest magnitude lies in ``[2**14, 2**15)`` (below fp16's 65504); returns
+    ``(scaled [R, D], 2**(e - 14) [R])``. Both factors are built from exponent bits, so the
+    scaling is exact. ``e`` is clamped to ``[-112, 127]`` (zero and fp32-subnormal rows; inf/NaN
+    rows stay inf/NaN)."""
+    amax = tl.max(tl.abs(x), 1)  # [R]
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [R] floor(log2), normal amax
+    e = tl.minimum(tl.maximum(e, -112), 127)
+    up = ((141 - e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(14 - e), exponent 14..253
+    down = ((113 + e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(e - 14), exponent 1..240
+    return x * up[:, None], down
+
+
+@triton.jit
 def gqa_prologue_kernel(
     q_ptr,  # [B, S, N*HEAD] (or the Q part of packed QKV)
     k_ptr,  # [B, S, KV*HEAD] (strided view)
@@ -121,6 +142,7 @@ def gqa_prologue_kernel(
     vc_ptr,
     ks_ptr,  # fp32 k_scale, [1] or [KV, 1, HEAD]
     vs_ptr,
+    qs_ptr,  # [B, S, N] fp32 out (Q_POW2): 2**-p of each row scaled by 2**p
     seq_len,
     max_pos,
     cache_len,
@@ -162,6 +184,7 @@ def gqa_prologue_kernel(
     IS_FIRST_PROMPT: tl.constexpr,
     K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
+    Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -200,6 +223,10 @@ def gqa_prologue_kernel(
                 other=0.0,
             )  # [BLOCK_H, HEAD_PAD]
             x = x * ks
+        if Q_POW2:
+            x, unscale = _pow2_rows(x)
+            qs_dst = qs_ptr + (b * seq_len + s) * NUM_HEADS + offs_h  # [BLOCK_H]
+            tl.store(qs_dst, unscale, mask=offs_h < NUM_HEADS)
         dst = qout_ptr + b * stride_qob + s * stride_qos + offs_h[:, None] * HEAD + offs_d[None, :]
         tl.store(dst, x.to(qout_ptr.dtype.element_ty), mask=mask)
     else:

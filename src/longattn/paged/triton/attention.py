@@ -100,7 +100,7 @@ def _attend_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
                         BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
-    s, unit = scores(q, k, qk_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, 1.0, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
