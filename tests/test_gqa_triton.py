@@ -322,10 +322,17 @@ def test_decode_and_prefill_paths_agree(device):
 
 @pytest.mark.interpret
 def test_split_choice_is_host_only():
-    s = launch.choose_num_splits(batch=1, kv_heads=8, span=131072, block_n=64, num_sms=132)
-    assert s >= 32 and s & (s - 1) == 0
-    assert launch.choose_num_splits(batch=32, kv_heads=8, span=4096, block_n=64, num_sms=132) <= 4
-    assert launch.choose_num_splits(batch=1, kv_heads=8, span=10, block_n=64, num_sms=132) == 1
+    """About one wave of resident CTAs (H200 sweep in choose_num_splits), a power of two."""
+    kw = dict(block_n=64, num_sms=132)
+    assert launch.choose_num_splits(batch=1, kv_heads=8, span=131072, **kw) == 16
+    assert launch.choose_num_splits(batch=8, kv_heads=8, span=4096, **kw) == 2
+    assert launch.choose_num_splits(batch=32, kv_heads=8, span=4096, **kw) == 1
+    assert launch.choose_num_splits(batch=8, kv_heads=8, span=4096, resident=2, **kw) == 4
+    assert launch.choose_num_splits(batch=1, kv_heads=8, span=10, **kw) == 1
+    assert launch.choose_num_splits(batch=1, kv_heads=1, span=1 << 20, **kw) == 128
+    bf16 = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+    assert launch.resident_ctas(bf16, 128, 2) == 1
+    assert launch.resident_ctas(dict(BLOCK_N=128, num_warps=4, num_stages=3), 128, 1) == 2
 
 
 # ------------------------------------------------------------------------------------------

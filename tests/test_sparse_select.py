@@ -32,6 +32,13 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
+@pytest.fixture(params=["topk", "radix"])
+def method(request, monkeypatch):
+    """Both select methods on every row width (the host picks by NB_PAD)."""
+    monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if request.param == "topk" else 0)
+    return request.param
+
+
 def select_from_scores(scores, seqlens_k, *, s, r, budget, first):
     """The reference tier's selection, from given scores ``[B*S, NB]``."""
     nb = scores.shape[1]
@@ -105,7 +112,7 @@ _SELECT_GRID = [
 @interpret
 @pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "nan", "close", "prefix", "rand"])
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
-def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind):
+def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind, method):
     gen = torch.Generator().manual_seed(len(seqlens) * 31 + s * 7 + r + budget)
     nb = max(seqlens) // r + 2
     scores = _scores(gen, b * s, nb, kind)
@@ -114,7 +121,7 @@ def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind):
 
 
 @interpret
-def test_select_never_reads_invisible_scores():
+def test_select_never_reads_invisible_scores(method):
     """Invisible blocks' scores (NaN here, -inf from the score kernel) do not matter."""
     gen = torch.Generator().manual_seed(5)
     r, budget, sk = 4, 16, torch.tensor([21, 10, 2], dtype=torch.int32, device=DEV)
@@ -201,7 +208,7 @@ def test_fallback_path_matches(monkeypatch):
 @pytest.mark.parametrize("t", [65536, 262144])
 @pytest.mark.parametrize("b,s", [(1, 1), (4, 1), (2, 8)])
 @pytest.mark.parametrize("budget", [2048, 8192])
-def test_gpu_select_real_sizes(t, b, s, budget):
+def test_gpu_select_real_sizes(t, b, s, budget, method):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     r = 64

@@ -49,16 +49,30 @@ def pv_dtype_for(dot_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtyp
     return dot_dtype
 
 
-def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int) -> int:
-    """Splits of the key range so that B * KV * splits fills the SMs a few waves deep.
+SMEM_PER_SM = 227 * 1024  # shared memory one CTA may hold on sm_90 (H100/H200)
 
-    A power of two (bounds the merge kernel's variants), each split at least 4 KV blocks long.
-    Uses host-known sizes only.
-    """
-    target = 4 * num_sms
-    want = cdiv(target, max(batch * kv_heads, 1))
+
+def resident_ctas(cfg: dict, head: int, cache_itemsize: int) -> int:
+    """Split-kernel CTAs that fit one SM by shared memory: the K and V tile pipeline holds
+    ``num_stages * BLOCK_N * head * itemsize * 2`` bytes (bf16 H=128, BLOCK_N 64, 4 stages:
+    128 KB, one CTA; int8 BLOCK_N 128, 3 stages: 96 KB, two)."""
+    smem = cfg["num_stages"] * cfg["BLOCK_N"] * head * cache_itemsize * 2
+    return max(1, SMEM_PER_SM // max(smem, 1))
+
+
+def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int,
+                      resident: int = 1) -> int:  # fmt: skip
+    """Splits of the key range so that B * KV * splits is about one wave of resident CTAs
+    (``num_sms * resident``), rounded down to a power of two (bounds the merge kernel's
+    variants), each split at least 4 KV blocks long. Host-known sizes only.
+
+    H200 sweep (``benchmarks/results/decode_splits_h200.json``, bf16, H=128, CUDA graph): B=1
+    T=32K 16 splits 41.1 us vs 47.6 at 128 (the earlier target of 4 waves), cuDNN 40.2;
+    B=8 T=4K 2 splits 41.0 vs 47.9 (16); B=32 T=4K 1 split 132.5 vs 140.1 (4); B=1 T=128K
+    130.0 vs 137.3. More waves of short splits spend their time filling the tile pipeline."""
+    want = max(1, num_sms * resident // max(batch * kv_heads, 1))
     cap = max(1, cdiv(span, 4 * block_n))
-    return max(1, min(next_pow2(want), next_pow2(cap), 256))
+    return max(1, min(1 << (want.bit_length() - 1), next_pow2(cap), 256))
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -238,7 +252,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         span = min(span, p.local_window_size + s - 1)
     span = max(span, 1)
     dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
-    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev))
+    resident = resident_ctas(cfg, h, present_key.element_size())
+    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident)
     chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     splits = cdiv(span, chunk)
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)

@@ -9,14 +9,27 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
 2. The row's visible scores (``c < n_complete``) are loaded once into registers ``[NB_PAD]`` and
    mapped to order-preserving int32 keys ``v >= 0`` (fp32 bits of a score >= +0.0; every NaN ->
    ``0x7F800001``, above +inf, as ``torch.sort`` orders NaN; -0.0 -> +0.0). Invisible: ``v = -1``.
-3. One int64 sort key per block, ``v << 32 | (NB_PAD - 1 - c)``: keys are distinct, and a larger
-   key is a higher score or, at equal scores, a lower block (the reference's stable sort).
-   ``tl.topk`` (a bitonic top-k network in registers and shared memory; no data-dependent loop,
-   no CTA-wide scan) returns the ``KB_PAD >= k`` largest; their block ids, the ones past ``k``
-   replaced by a sentinel, are sorted ascending (``tl.sort`` of ``KB_PAD`` ints).
+3. The ``k`` best, ties to the lower block, in ascending block order, by one of two methods
+   (``TOPK``, chosen on the host by the row width ``NB_PAD``; H200, ``benchmarks/results/
+   select_ab_h200.json``, budget 2048: 3.4 vs 6.0 us at 512 blocks, 8.6 vs 7.6 at 2048, 15.5
+   vs 10.9 at 4096):
+
+   - ``TOPK`` (rows of up to ``TOPK_MAX_BLOCKS``): one int64 sort key per block, ``v << 32 |
+     (NB_PAD - 1 - c)`` (distinct; larger = higher score or, at equal scores, lower block);
+     ``tl.topk`` (a bitonic top-k network) returns the ``KB_PAD >= k`` largest, whose block ids
+     (those past ``k`` replaced by a sentinel) ``tl.sort`` puts in ascending order, in registers.
+   - radix (wider rows): radix select of the k-th largest key, two bits per step; it starts
+     below the bits that the largest and smallest counted keys share (one max + one min
+     reduction), then each step counts ``v >= lo + d * 2**shift`` for d = 1, 2, 3 in ONE packed
+     int64 reduction (the three counts in 20-bit fields) and keeps the largest threshold still
+     holding >= k keys; it stops as soon as exactly k keys are ``>= lo``. Chosen: every key
+     ``> lo``, then keys ``== lo`` in ascending block order until k are chosen (the rank among
+     equal keys is only computed when a tie at the threshold has to be broken); an inclusive
+     cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
+     per-row scratch row ``[kb]`` int32 (then a CTA barrier).
 4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r`` (a register
-   gather); then the trailing block's ``trail`` positions ``n_complete*r + t``; then -1.
-   ``count = k*r + trail``.
+   gather, or a scratch load); then the trailing block's ``trail`` positions
+   ``n_complete*r + t``; then -1. ``count = k*r + trail``.
 
 No host sync, grid from shapes only. Rows hold up to ``MAX_BLOCKS`` blocks in registers; beyond
 that the caller keeps the torch top-k path.
@@ -31,6 +44,7 @@ import triton.language as tl
 from ..._triton_utils import next_pow2, pdl_kwargs, wait_prior_grids
 
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
+TOPK_MAX_BLOCKS = 1024  # rows up to this NB_PAD take the tl.topk method (see step 3)
 _NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
 
 
@@ -44,9 +58,80 @@ def _order_keys(score, visible):
 
 
 @triton.jit
+def _kth_largest(v, k, n_ge):
+    """Radix select over the keys ``v [NB_PAD]`` (int32, >= 0 where counted, -1 elsewhere);
+    ``n_ge``: how many keys are counted (``#(v >= 0)``).
+
+    Returns ``(lo, n_ge)``: ``n_ge = #(v >= lo) >= k`` and either ``n_ge == k`` (the top k are
+    exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
+    # Start below the bits every counted key shares: the keys lie in [vmin, vmax], so they all
+    # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
+    # prefix, shift = d - 1 (a radix-4 digit covers bits d, d - 1). Scores of one row span a
+    # few octaves, so this skips the exponent's leading steps (each a CTA-wide reduction).
+    vmax = tl.max(v, 0)
+    vmin = tl.min(tl.where(v >= 0, v, vmax), 0)
+    diff = vmax ^ vmin
+    # highest set bit of diff via its fp32 exponent (int -> fp32 rounds up at most one binade:
+    # an over-estimate only costs one more step, the invariant still holds)
+    d = (diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    d = tl.where(diff > 0, tl.minimum(d, 30), -1)
+    low_bits = (tl.full([], 2, tl.int64) << d.to(tl.int64)) - 1  # bits d..0 (int64: d = 30)
+    lo = tl.where(d >= 0, (vmax.to(tl.int64) & ~low_bits).to(tl.int32), vmax)
+    lo = tl.maximum(lo, 0)  # no counted key (vmax = -1): lo = 0, nothing is chosen
+    shift = tl.where(d >= 1, d - 1, d)  # d = 0: one last step over bit 0; d = -1: all equal
+    # invariant: #(v >= lo) >= k and #(v >= lo + 4 * 2**shift) < k (keys < 2**31)
+    while (n_ge > k) & (shift >= 0):
+        step = 1 << shift
+        t1 = lo + step
+        t2 = t1 + step
+        t3 = t2 + step  # no overflow: lo + 3 * 2**shift <= max key + 3 < 2**31
+        packed = (v >= t1).to(tl.int64)
+        packed = packed | ((v >= t2).to(tl.int64) << 20) | ((v >= t3).to(tl.int64) << 40)
+        total = tl.sum(packed)  # [3 x 20-bit counts], each <= MAX_BLOCKS < 2**20
+        c1 = (total & 0xFFFFF).to(tl.int32)
+        c2 = ((total >> 20) & 0xFFFFF).to(tl.int32)
+        c3 = ((total >> 40) & 0xFFFFF).to(tl.int32)
+        lo = tl.where(c3 >= k, t3, tl.where(c2 >= k, t2, tl.where(c1 >= k, t1, lo)))
+        n_ge = tl.where(c3 >= k, c3, tl.where(c2 >= k, c2, tl.where(c1 >= k, c1, n_ge)))
+        # shifts 29, 27, ..., 3, 1 fix bits 30..1; shift 0 fixes bit 0 (t2, t3 fail there)
+        shift = tl.where(shift > 1, shift - 2, shift - 1)
+    return lo, n_ge
+
+
+@triton.jit
+def _chosen_topk(v, offs_c, k, NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):
+    """Block ids ``[KB_PAD]`` of the k best keys ``v [NB_PAD]``, ascending (ties: lower block),
+    then the sentinel ``NB_PAD``."""
+    key = (v.to(tl.int64) << 32) | (NB_PAD - 1 - offs_c).to(tl.int64)  # [NB_PAD] distinct
+    top = tl.topk(key, KB_PAD)  # [KB_PAD] int64, descending
+    slots = tl.arange(0, KB_PAD)  # [KB_PAD]
+    ids = (NB_PAD - 1) - (top & 0xFFFFFFFF).to(tl.int32)  # [KB_PAD] block ids
+    return tl.sort(tl.where(slots < k, ids, NB_PAD))  # [KB_PAD] the k chosen first
+
+
+@triton.jit
+def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row):
+    """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
+    (ties: lower block); then a CTA barrier."""
+    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0))
+    eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
+    n_eq = tl.sum(eq.to(tl.int32))
+    need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
+    take_eq = eq
+    if need < n_eq:  # a tie at the threshold (rare): rank the equal keys by block id
+        eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
+        take_eq = eq & (eq_rank <= need)
+    chosen = ((v > lo) | take_eq) & (k > 0)  # [NB_PAD], k of them
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
+    tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
+    tl.debug_barrier()  # the scratch row is read back by other threads of this program
+
+
+@triton.jit
 def indexer_select_kernel(
     score_ptr,  # [rows, NB] fp32 block scores (score kernel output), row stride stride_sr
     seqlens_ptr,  # [B] int32, total_len - 1
+    scratch_ptr,  # [rows, max(kb, 1)] int32 workspace of the radix method: chosen block ids
     idx_ptr,  # [rows, max_selected] int32 out: selected_indices
     cnt_ptr,  # [rows] int32 out: selected_counts
     seq_len,
@@ -54,10 +139,12 @@ def indexer_select_kernel(
     stride_sr,
     compress_ratio,
     kb,  # token_budget // r
+    scratch_stride,
     max_selected,
     NB_PAD: tl.constexpr,  # next power of two >= num_blocks
     KB_PAD: tl.constexpr,  # power of two >= min(kb, num_blocks), <= NB_PAD
     BLOCK_O: tl.constexpr,  # output positions per emission tile
+    TOPK: tl.constexpr,  # select by tl.topk (else radix select + scratch)
     IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
@@ -82,11 +169,11 @@ def indexer_select_kernel(
     visible = (offs_c < n_complete) & (k > 0)
     score = tl.load(score_ptr + row * stride_sr + offs_c, mask=visible, other=0.0)  # [NB_PAD]
     v = _order_keys(score, visible)  # [NB_PAD] int32
-    key = (v.to(tl.int64) << 32) | (NB_PAD - 1 - offs_c).to(tl.int64)  # [NB_PAD] distinct
-    top = tl.topk(key, KB_PAD)  # [KB_PAD] int64, descending
-    slots = tl.arange(0, KB_PAD)  # [KB_PAD]
-    ids = (NB_PAD - 1) - (top & 0xFFFFFFFF).to(tl.int32)  # [KB_PAD] block ids
-    ids = tl.sort(tl.where(slots < k, ids, NB_PAD))  # [KB_PAD] the k chosen first, ascending
+    scratch_row = scratch_ptr + row * scratch_stride
+    if TOPK:
+        ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
+    else:
+        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row)
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
     r = compress_ratio
@@ -98,7 +185,11 @@ def indexer_select_kernel(
         j = j0 + tl.arange(0, BLOCK_O)  # [BLOCK_O] output slots
         sl = j // r
         in_sel = j < n_sel_tok
-        blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
+        if TOPK:
+            blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
+        else:
+            blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
+                          cache_modifier=".cg")  # fmt: skip
         t = j - n_sel_tok
         val = tl.where(in_sel, blk * r + (j - sl * r), tl.where(t < trail, tail_base + t, -1))
         tl.store(out_row + j, val, mask=j < max_selected)
@@ -131,7 +222,7 @@ def indexer_select(
             entries are never read); None when no block can be chosen (``token_budget <
             compress_ratio`` or ``num_blocks == 0``).
         seqlens_k: ``[B]`` int32, total length minus one.
-        empty: allocator ``(shape, *, dtype, device)`` of the outputs.
+        empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
 
     Returns:
         ``selected_indices [B*S, token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32.
@@ -152,10 +243,13 @@ def indexer_select(
         scores, kb, stride = torch.zeros(1, dtype=torch.float32, device=dev), 0, 0
     else:
         stride = scores.stride(0)
+    topk = nb_pad <= TOPK_MAX_BLOCKS
+    scratch = idx if topk else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
     indexer_select_kernel[(rows,)](
         **pdl_kwargs(seqlens_k),
         score_ptr=scores,
         seqlens_ptr=seqlens_k,
+        scratch_ptr=scratch,
         idx_ptr=idx,
         cnt_ptr=cnt,
         seq_len=seq_len,
@@ -163,10 +257,12 @@ def indexer_select(
         stride_sr=stride,
         compress_ratio=r,
         kb=kb,
+        scratch_stride=scratch.stride(0),
         max_selected=max_selected,
         NB_PAD=nb_pad,
         KB_PAD=min(max(2, next_pow2(kb)), nb_pad),
         BLOCK_O=256 if interpret else 1024,
+        TOPK=topk,
         IS_FIRST_PROMPT=is_first_prompt,
         num_warps=select_num_warps(nb_pad),
     )
