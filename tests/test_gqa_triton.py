@@ -331,6 +331,11 @@ def test_split_choice_is_host_only():
     assert launch.choose_num_splits(batch=1, kv_heads=8, span=10, **kw) == 1
     assert launch.choose_num_splits(batch=1, kv_heads=1, span=1 << 20, **kw) == 128
     bf16 = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+    # int8 (issue-bound): the H200-best 32 / 16 / 4 splits at T=128K, B=1 / 8 / 32
+    i8 = dict(block_n=128, num_sms=132, resident=2, issue_bound=True)
+    got = [launch.choose_num_splits(batch=b, kv_heads=8, span=131072, **i8) for b in (1, 8, 32)]
+    assert got == [32, 16, 4]
+    assert launch.choose_num_splits(batch=1, kv_heads=8, span=4096, **i8) == 8
     assert launch.resident_ctas(bf16, 128, 2) == 1
     assert launch.resident_ctas(dict(BLOCK_N=128, num_warps=4, num_stages=3), 128, 1) == 2
 

@@ -60,19 +60,35 @@ def resident_ctas(cfg: dict, head: int, cache_itemsize: int) -> int:
     return max(1, SMEM_PER_SM // max(smem, 1))
 
 
-def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int,
-                      resident: int = 1) -> int:  # fmt: skip
-    """Splits of the key range so that B * KV * splits is about one wave of resident CTAs
-    (``num_sms * resident``), rounded down to a power of two (bounds the merge kernel's
-    variants), each split at least 4 KV blocks long. Host-known sizes only.
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
 
-    H200 sweep (``benchmarks/results/decode_splits_h200.json``, bf16, H=128, CUDA graph): B=1
-    T=32K 16 splits 41.1 us vs 47.6 at 128 (the earlier target of 4 waves), cuDNN 40.2;
-    B=8 T=4K 2 splits 41.0 vs 47.9 (16); B=32 T=4K 1 split 132.5 vs 140.1 (4); B=1 T=128K
-    130.0 vs 137.3. More waves of short splits spend their time filling the tile pipeline."""
-    want = max(1, num_sms * resident // max(batch * kv_heads, 1))
-    cap = max(1, cdiv(span, 4 * block_n))
-    return max(1, min(1 << (want.bit_length() - 1), next_pow2(cap), 256))
+
+def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int,
+                      resident: int = 1, issue_bound: bool = False) -> int:  # fmt: skip
+    """Splits of the key range (a power of two, bounding the merge kernel's variants; each
+    split at least 4 KV blocks long). Host-known sizes only.
+
+    16-bit caches (bandwidth-bound tiles): about one wave of resident CTAs, ``num_sms *
+    resident`` programs, rounded down. H200 sweep (``benchmarks/results/
+    decode_splits_h200.json``, bf16, H=128, CUDA graph): B=1 T=32K 16 splits 41.1 us vs 47.6
+    at 128 (the earlier target of 4 waves), cuDNN 40.2; B=8 T=4K 2 splits 41.0 vs 47.9 (16);
+    B=32 T=4K 1 split 132.5 vs 140.1 (4); B=1 T=128K 130.0 vs 137.3. More waves of short
+    splits spend their time filling the tile pipeline.
+
+    int8 caches (``issue_bound``: the tile loop is instruction-issue bound): about 4 waves of
+    CTAs (``4 * num_sms`` programs, rounded up), but no more splits than one wave or splits
+    of 32 tiles need, whichever is more. H200, T=128K, B=1 / 8 / 32: 32 / 16 / 4 splits (95.4 /
+    628.1 / 2438.8 us); one wave (32 / 4 / 1 splits) gave 95.4 / 640.5 / 2539.7 and 4 waves
+    (128 / 16 / 4) 103.3 / 628.1 / 2438.8."""
+    pairs = max(batch * kv_heads, 1)
+    one_wave = _floor_pow2(num_sms * resident // pairs)
+    splits = min(one_wave, next_pow2(max(1, cdiv(span, 4 * block_n))), 256)
+    if issue_bound:
+        waves4 = next_pow2(cdiv(4 * num_sms, pairs))
+        splits = min(waves4, max(one_wave, _floor_pow2(span // (32 * block_n))))
+        splits = min(splits, next_pow2(max(1, cdiv(span, 4 * block_n))), 256)
+    return max(1, splits)
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -253,7 +269,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
     resident = resident_ctas(cfg, h, present_key.element_size())
-    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident)
+    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident,
+                                             issue_bound=present_key.dtype == torch.int8)  # fmt: skip
     chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     splits = cdiv(span, chunk)
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)
