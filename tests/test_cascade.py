@@ -138,3 +138,33 @@ def test_pdl_gate(monkeypatch, capability, disabled, interp, want):
         assert tu.pdl_kwargs(torch.zeros(1)) == {"PDL": False}
     finally:
         tu._pdl_on.cache_clear()
+
+
+def test_pdl_kernels_wait_for_the_previous_grid_first():
+    """A kernel launched with programmatic dependent launch may start while the previous kernel
+    still runs: its first statement must be the grid-dependency wait (no load before it)."""
+    import ast
+    import inspect
+
+    from longattn._triton_merge import merge_splits_kernel
+    from longattn.gqa.triton.decode import gqa_decode_split_kernel
+    from longattn.gqa.triton.prologue import gqa_prologue_kernel
+    from longattn.paged.triton.attention import paged_attn_kernel
+    from longattn.paged.triton.prologue import paged_prologue_kernel
+    from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
+    from longattn.sparse.triton.decode import dsa_split_kernel
+    from longattn.sparse.triton.indexer import indexer_score_kernel
+    from longattn.sparse.triton.select import indexer_select_kernel
+
+    kernels = [merge_splits_kernel, gqa_decode_split_kernel, gqa_prologue_kernel,
+               paged_attn_kernel, paged_prologue_kernel, _rms_norm_rotary_kernel,
+               dsa_split_kernel, indexer_score_kernel, indexer_select_kernel]  # fmt: skip
+    for k in kernels:
+        fn = k.fn if hasattr(k, "fn") else k
+        tree = ast.parse(inspect.getsource(fn).lstrip())
+        body = tree.body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # docstring
+        first = ast.unparse(body[0])
+        assert first == "wait_prior_grids(PDL)", f"{fn.__name__} starts with {first!r}"
+        assert "PDL" in fn.__code__.co_varnames[: fn.__code__.co_argcount], fn.__name__
