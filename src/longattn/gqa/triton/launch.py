@@ -82,13 +82,12 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     628.1 / 2438.8 us); one wave (32 / 4 / 1 splits) gave 95.4 / 640.5 / 2539.7 and 4 waves
     (128 / 16 / 4) 103.3 / 628.1 / 2438.8."""
     pairs = max(batch * kv_heads, 1)
-    one_wave = _floor_pow2(num_sms * resident // pairs)
-    splits = min(one_wave, next_pow2(max(1, cdiv(span, 4 * block_n))), 256)
+    want = _floor_pow2(num_sms * resident // pairs)  # one wave
     if issue_bound:
-        waves4 = next_pow2(cdiv(4 * num_sms, pairs))
-        splits = min(waves4, max(one_wave, _floor_pow2(span // (32 * block_n))))
-        splits = min(splits, next_pow2(max(1, cdiv(span, 4 * block_n))), 256)
-    return max(1, splits)
+        four_waves = next_pow2(cdiv(4 * num_sms, pairs))
+        want = min(four_waves, max(want, _floor_pow2(span // (32 * block_n))))
+    cap = next_pow2(max(1, cdiv(span, 4 * block_n)))  # splits of >= 4 tiles
+    return max(1, min(want, cap, 256))
 
 
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
