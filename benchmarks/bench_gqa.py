@@ -165,8 +165,9 @@ def tune(rows, best):
         nbytes = 2 * b * KV * t * 128 * 2
         for bn, w, st in DECODE_TUNE:
             cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-            for mult in (1, 2):
-                splits = launch.choose_num_splits(b, KV, t, bn, 132) * mult
+            base = launch.choose_num_splits(b, KV, t, bn, 132, launch.resident_ctas(cfg, 128, 2))
+            for mult in (0.5, 1, 2):  # the default split count and its neighbours
+                splits = max(1, int(base * mult))
                 fn = _decode_fn(p, cfg, splits)
                 us = _time_or_none(fn, sets)
                 gbs = nbytes / (us * 1e-6) / 1e9 if us else None

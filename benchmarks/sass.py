@@ -9,6 +9,7 @@ cp.async?", "did the softmax lose an FMUL per logit?").
     python benchmarks/sass.py gqa-decode --set BLOCK_N=128 --cache i8
     python benchmarks/sass.py dsa-decode --set BLOCK_N=64
     python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
+    python benchmarks/sass.py indexer-select --set TOPK=True,NB_PAD=1024
 
 Pointer arguments and ``stride_*`` arguments get Triton's runtime divisibility-by-16
 specialization (as real launches of contiguous tensors do); without it every load would look
@@ -95,6 +96,7 @@ def _presets(cache: str):
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
     from longattn.sparse.triton.decode import dsa_split_kernel
+    from longattn.sparse.triton.select import indexer_select_kernel
 
     q16 = "fp16" if cache == "i8" else "bf16"  # int8 K: fp16 Q rows with power-of-two scales
     attn_types = {"q_ptr": f"*{q16}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
@@ -127,6 +129,11 @@ def _presets(cache: str):
                 dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, HALF_PAD=64, BLOCK_N=8, ROT_OFF=0,
                      ROT_DIM=128, IS_PARTIAL=False, HAS_POS=False, INTERLEAVED=False,
                      EXACT=True, TILE_TABLES=False, PDL=False), 2, 1),
+        "indexer-select": (indexer_select_kernel,
+                           {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
+                                                     ("seqlens", "scratch", "idx", "cnt")}},
+                           dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False,
+                                IS_FIRST_PROMPT=False, PDL=False), 8, 1),
     }  # fmt: skip
 
 
@@ -140,7 +147,8 @@ def _value(text: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms"])
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms",
+                                       "indexer-select"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)
