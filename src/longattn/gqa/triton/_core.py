@@ -11,10 +11,10 @@ Conventions shared by every piece:
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from ..._cascade import interpreter_active
 
 LOG2E = 1.4426950408889634
 
@@ -39,6 +39,18 @@ def load_total_len(seqlens_ptr, b, max_total):
     """
     t = tl.load(seqlens_ptr + b) + 1
     return tl.minimum(tl.maximum(t, 0), max_total)
+
+
+@triton.jit
+def load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, row_ok, NUM_HEADS: tl.constexpr,
+                   HAS_QSCALE: tl.constexpr):  # fmt: skip
+    """Per-row dot factor of a power-of-two-scaled Q (``qs [B, S, N]`` fp32 at rows (s_idx,
+    n_idx) of sequence ``b64``) as ``[M, 1]``, or the scalar 1.0 without ``HAS_QSCALE``."""
+    scale = 1.0
+    if HAS_QSCALE:
+        rows = qs_ptr + (b64 * seq_len + s_idx) * NUM_HEADS + n_idx  # [M]
+        scale = tl.load(rows, mask=row_ok, other=1.0)[:, None]  # [M, 1]
+    return scale
 
 
 @triton.jit
@@ -158,7 +170,7 @@ def load_kv_tile(
     return t.to(DOT_DTYPE)
 
 
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import
 
 
 @triton.jit

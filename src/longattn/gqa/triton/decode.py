@@ -21,6 +21,7 @@ from ..._triton_utils import wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
+    load_row_scale,
     load_total_len,
     normalize,
     online_softmax_step,
@@ -33,9 +34,9 @@ def _decode_block(
     acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
@@ -67,9 +68,9 @@ def _decode_range(
     acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
@@ -80,8 +81,8 @@ def _decode_range(
             acc, m_i, l_i = _decode_block(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -89,8 +90,8 @@ def _decode_range(
             acc, m_i, l_i = _decode_block(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N, MASKED,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+                stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -174,10 +175,7 @@ def gqa_decode_split_kernel(
         + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
-    row_scale = 1.0
-    if HAS_QSCALE:
-        qs_rows = qs_ptr + (b64 * seq_len + s_idx) * NUM_HEADS + n_idx  # [ROWS_PAD]
-        row_scale = tl.load(qs_rows, mask=in_rows, other=1.0)[:, None]  # [ROWS_PAD, 1]
+    row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS, HAS_QSCALE)
 
     kv_hi = tl.minimum(offset + rows_valid, total_len)
     kv_lo = 0
@@ -228,11 +226,12 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size, dot and cache
     dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
     int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 658 us vs 699
-    (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps), ~3.3 TB/s of int8 bytes, 1.49x the
-    bf16 cache. The int8 loop is instruction-issue bound (sm_90 SASS, BLOCK_N=128: 1081
-    instructions per tile after the fp16 V conversion, unmasked interior tiles and int32
-    in-tile offsets; 1518 before): V's bytes reach the P.V MMA layout one byte-load each
-    (key-major pairs), and each K/V element costs ~1.5-2 integer/half ops to convert."""
+    (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps) (session 10). With fp16 K
+    (``int8x4_to_fp16``, power-of-two Q rows): B=8 / 32 628 / 2439 us, 1.52x / 1.56x the bf16
+    cache. The int8 loop is instruction-issue bound (sm_90 SASS, BLOCK_N=128: 1023
+    instructions per tile; 1081 with bf16 K, 1518 before the fp16 V conversion): it runs at
+    the 255-register limit (~200 register moves per tile), and V's bytes reach the P.V MMA
+    layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:

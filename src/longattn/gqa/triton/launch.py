@@ -268,8 +268,10 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
     resident = resident_ctas(cfg, h, present_key.element_size())
-    splits = num_splits or choose_num_splits(b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident,
-                                             issue_bound=present_key.dtype == torch.int8)  # fmt: skip
+    int8 = present_key.dtype == torch.int8
+    splits = num_splits or choose_num_splits(
+        b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident, issue_bound=int8
+    )
     chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     splits = cdiv(span, chunk)
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)

@@ -15,6 +15,7 @@ import triton.language as tl
 from ._core import (
     causal_window_mask,
     load_kv_tile,
+    load_row_scale,
     load_total_len,
     normalize,
     online_softmax_step,
@@ -77,8 +78,8 @@ def _attend_block(
 @triton.jit
 def _attend_range(
     acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start, end, kv_hi, window,
-    stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale, row_scale,
-    softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult,
+    HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -91,8 +92,8 @@ def _attend_range(
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
-                DOT_DTYPE, DOT_PREC,
+                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP,
+                HAS_BIAS, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -100,8 +101,8 @@ def _attend_range(
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
-                DOT_DTYPE, DOT_PREC,
+                row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP,
+                HAS_BIAS, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -197,10 +198,7 @@ def gqa_prefill_kernel(
             + offs_d[None, :]
         )
         q = tl.load(q_ptrs, mask=in_s[:, None], other=0.0)  # [BLOCK_M, HEAD]
-        row_scale = 1.0
-        if HAS_QSCALE:
-            qs_rows = qs_ptr + (b64 * seq_len + offs_s) * NUM_HEADS + n  # [BLOCK_M]
-            row_scale = tl.load(qs_rows, mask=in_s, other=1.0)[:, None]  # [BLOCK_M, 1]
+        row_scale = load_row_scale(qs_ptr, b64, seq_len, offs_s, n, in_s, NUM_HEADS, HAS_QSCALE)
         q_lo = offset + m0
         q_hi = offset + tl.minimum(m0 + BLOCK_M, rows_valid) - 1
         kv_hi = tl.minimum(q_hi + 1, total_len)
@@ -225,20 +223,20 @@ def gqa_prefill_kernel(
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, kv_lo, full_lo,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_lo, full_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False, INTERPRET=INTERPRET,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_hi, kv_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
-            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
         )  # fmt: skip
         if HAS_SINK:
             if SINK_FROM_PTR:

@@ -23,21 +23,16 @@ all) get ``-inf``; ``-0.0`` becomes ``+0.0``. The kernel writes either
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..._triton_utils import cdiv, device_sms, next_pow2, pdl_kwargs, wait_prior_grids
+from ..._triton_utils import interpret as _interpret
 from .._shared import emit_selection, indexer_rows
 from .select import MAX_BLOCKS, indexer_select
 
 _empty = torch.empty  # buffers of this tier (tests poison them)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
