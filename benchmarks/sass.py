@@ -34,13 +34,16 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-_NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_NVDISASM = os.path.join(_BIN, "nvdisasm")
 _INS = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
 _OP = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def compile_sass(fn, types: dict, constexprs: dict, *, num_warps=4, num_stages=3, cc=90) -> dict:
-    """{"sass", "ttgir", "ptx", "shared"} of ``fn`` built for sm_<cc>; non-constexpr arguments
+def compile_sass(
+    fn, types: dict, constexprs: dict, *, num_warps=4, num_stages=3, cc=90, maxnreg=None
+) -> dict:
+    """{"sass", "ttgir", "ptx", "shared", "regs", "stack"} of ``fn`` built for sm_<cc>; non-constexpr arguments
     not in ``types`` are i32 (``*_ptr``: *fp32)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -52,13 +55,26 @@ def compile_sass(fn, types: dict, constexprs: dict, *, num_warps=4, num_stages=3
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
     path = f"/tmp/longattn_sass_{os.getpid()}.cubin"
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
     sass = subprocess.run([_NVDISASM, "-c", path], capture_output=True, text=True).stdout
+    res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", path],
+                         capture_output=True, text=True).stdout  # fmt: skip
     os.remove(path)
-    return dict(sass=sass, ttgir=k.asm["ttgir"], ptx=k.asm["ptx"], shared=k.metadata.shared)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    regs, stack = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    return dict(
+        sass=sass,
+        ttgir=k.asm["ttgir"],
+        ptx=k.asm["ptx"],
+        shared=k.metadata.shared,
+        regs=regs,
+        stack=stack,
+    )
 
 
 def histogram(sass: str) -> Counter:
@@ -96,6 +112,7 @@ def _presets(cache: str):
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
     from longattn.sparse.triton.decode import dsa_split_kernel
+    from longattn.sparse.triton.indexer import indexer_score_kernel
     from longattn.sparse.triton.select import indexer_select_kernel
 
     q16 = "fp16" if cache == "i8" else "bf16"  # int8 K: fp16 Q rows with power-of-two scales
@@ -109,7 +126,7 @@ def _presets(cache: str):
     return {
         "gqa-prefill": (gqa_prefill_kernel, attn_types,
                         dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_M=128, BLOCK_N=128,
-                             HAS_SINK=False, SINK_FROM_PTR=False, **flags), 8, 3),
+                             HAS_SINK=False, SINK_FROM_PTR=False, USE_DESC=False, **flags), 8, 3),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
@@ -129,6 +146,12 @@ def _presets(cache: str):
                 dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, HALF_PAD=64, BLOCK_N=8, ROT_OFF=0,
                      ROT_DIM=128, IS_PARTIAL=False, HAS_POS=False, INTERLEAVED=False,
                      EXACT=True, TILE_TABLES=False, PDL=False), 2, 1),
+        "indexer-score": (indexer_score_kernel,
+                          {"q_ptr": "*bf16", "k_ptr": "*fp32", "seqlens_ptr": "*i32",
+                           "scale": "fp32"},
+                          dict(NI=16, DI=128, DI_PAD=128, BLOCK_B=16, BLOCK_S=16, S_TILE=1,
+                               BLOCK_R=16, BLOCK_D=128, IS_FIRST_PROMPT=False, OUT_KEYS=False,
+                               PDL=False), 4, 1),
         "indexer-select": (indexer_select_kernel,
                            {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
@@ -147,12 +170,13 @@ def _value(text: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms",
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms", "indexer-score",
                                        "indexer-select"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap (launch option)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = ap.parse_args(argv)
     fn, types, ce, warps, stages = _presets(args.cache)[args.kernel]
@@ -160,7 +184,7 @@ def main(argv=None):
         name, val = item.split("=")
         ce[name] = _value(val)
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
-                       num_stages=args.stages or stages)  # fmt: skip
+                       num_stages=args.stages or stages, maxnreg=args.maxnreg)  # fmt: skip
     hist = histogram(res["sass"])
     if args.json:
         print(
@@ -174,7 +198,10 @@ def main(argv=None):
             )
         )
         return res
-    print(f"{args.kernel}: {sum(hist.values())} instructions, shared {res['shared']} B")
+    print(
+        f"{args.kernel}: {sum(hist.values())} instructions, shared {res['shared']} B, "
+        f"{res['regs']} registers, stack {res['stack']} B"
+    )
     print("  memory:", dict(memory_ops(res["sass"])))
     for i, c in enumerate(loops(res["sass"])):
         print(f"  loop {i}: {sum(c.values())} instructions:", dict(c.most_common(14)))

@@ -312,6 +312,23 @@ def test_decode_interpret(name, device):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("name", ["causal-past", "window-softcap", "sink-bias-full",
+                                  "first-bias-batch-qknorm"])  # fmt: skip
+def test_prefill_tma_path_interpret(name, device, monkeypatch):
+    """The TMA (tensor-descriptor) K/V path of the prefill kernel (the default on sm_90+ for
+    16-bit caches), forced on: unmasked tiles by descriptor, masked tiles by masked loads."""
+    calls = []
+
+    def forced(*args):
+        calls.append(args)
+        return True
+
+    monkeypatch.setattr(launch, "prefill_use_tma", forced)
+    _run_and_check(dataclasses.replace(PREFILL_CASES[name], force_path="prefill"), device)
+    assert calls, "the prefill kernel did not run"
+
+
+@pytest.mark.interpret
 def test_decode_and_prefill_paths_agree(device):
     """The same small chunked-prefill call through both attention kernels."""
     c = Case(s=4, lens=(10, 25), first_prompt=False, window=9, sink="head")

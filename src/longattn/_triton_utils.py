@@ -68,6 +68,23 @@ def pdl_enabled(device: torch.device) -> bool:
     return _pdl_on(index, _truthy(os.environ.get("LONGATTN_DISABLE_PDL")))
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether ``t`` can back a TMA tensor descriptor here: CUDA sm_90+, not the interpreter,
+    ``LONGATTN_DISABLE_TMA`` unset (read per call), 16-byte aligned base and strides (the last
+    dimension contiguous)."""
+    if t.device.type != "cuda" or _truthy(os.environ.get("LONGATTN_DISABLE_TMA")):
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if interpret() or cuda_capability(index)[0] < 9:
+        return False
+    size = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((st * size) % 16 == 0 for st in t.stride()[:-1])
+    )
+
+
 def pdl_kwargs(t: torch.Tensor) -> dict:
     """Launch keywords of a decode-chain kernel that takes a ``PDL: tl.constexpr`` flag.
 

@@ -53,11 +53,26 @@ def _attend_block(
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    k_desc,
+    v_desc,
+    kv_b,
+    kv_h,
 ):
-    """One KV tile [start_n, start_n + BLOCK_N) folded into the running softmax state."""
+    """One KV tile [start_n, start_n + BLOCK_N) folded into the running softmax state.
+
+    ``USE_DESC``: unmasked tiles are read by TMA through ``k_desc`` / ``v_desc`` (descriptors of
+    the ``[B, KV, C, HEAD]`` caches; (kv_b, kv_h) = the tile's sequence and KV head); masked
+    tiles keep the masked pointer loads (TMA would read the rows >= kv_hi, which may hold NaN
+    garbage, up to the capacity)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, True)
+    if USE_DESC and not MASKED:
+        k = k_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, HEAD)  # [BLOCK_N, HEAD]
+    else:
+        k = load_kv_tile(
+            k_base, start_n, offs_d, stride_kc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, True
+        )
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -71,7 +86,12 @@ def _attend_block(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, kv_hi, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, False)
+    if USE_DESC and not MASKED:
+        v = v_desc.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, HEAD)  # [BLOCK_N, HEAD]
+    else:
+        v = load_kv_tile(
+            v_base, start_n, offs_d, stride_vc, kv_hi, BLOCK_N, DOT_DTYPE, MASKED, False
+        )
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
@@ -81,7 +101,8 @@ def _attend_range(
     stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult,
     HEAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_DESC: tl.constexpr, k_desc, v_desc,
+    kv_b, kv_h,
 ):  # fmt: skip
     """KV tiles start, start + BLOCK_N, ... < end. The interpreter (numpy 2) cannot take tensor
     bounds in ``range``, so it runs the same body in a while loop; compiled code keeps the
@@ -93,7 +114,7 @@ def _attend_range(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
                 row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP,
-                HAS_BIAS, DOT_DTYPE, DOT_PREC,
+                HAS_BIAS, DOT_DTYPE, DOT_PREC, USE_DESC, k_desc, v_desc, kv_b, kv_h,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -102,7 +123,7 @@ def _attend_range(
                 acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, start_n, kv_hi,
                 window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
                 row_scale, softcap_mult, HEAD, BLOCK_N, MASKED, HAS_WINDOW, HAS_SOFTCAP,
-                HAS_BIAS, DOT_DTYPE, DOT_PREC,
+                HAS_BIAS, DOT_DTYPE, DOT_PREC, USE_DESC, k_desc, v_desc, kv_b, kv_h,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -112,6 +133,8 @@ def gqa_prefill_kernel(
     q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
     k_ptr,  # [B, KV, C, HEAD] cache
     v_ptr,
+    k_desc,  # TMA descriptors of the two caches (USE_DESC; else unused)
+    v_desc,
     o_ptr,  # [B, S, N * HEAD] activation dtype
     seqlens_ptr,  # [B] int32, total_len - 1
     max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
@@ -156,6 +179,7 @@ def gqa_prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,  # run loops as while loops (see _attend_range)
+    USE_DESC: tl.constexpr,  # unmasked K/V tiles by TMA (k_desc / v_desc)
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal tiles first
     pid_bn = tl.program_id(1)
@@ -225,18 +249,21 @@ def gqa_prefill_kernel(
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
             row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            USE_DESC=USE_DESC, k_desc=k_desc, v_desc=v_desc, kv_b=b, kv_h=kvh,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_lo, full_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
             row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False, INTERPRET=INTERPRET,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            USE_DESC=USE_DESC, k_desc=k_desc, v_desc=v_desc, kv_b=b, kv_h=kvh,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, k_base, v_base, bias_base, in_s, offs_s, full_hi, kv_hi,
             kv_hi, window, stride_kc, stride_vc, stride_bias_s, stride_bias_t, qk_scale,
             row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True, INTERPRET=INTERPRET,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            USE_DESC=USE_DESC, k_desc=k_desc, v_desc=v_desc, kv_b=b, kv_h=kvh,
         )  # fmt: skip
         if HAS_SINK:
             if SINK_FROM_PTR:
@@ -261,8 +288,8 @@ def prefill_config(head: int, dot_dtype, interpret: bool, extra_bytes_per_stage:
     Measured on the H200 (benchmarks/results/gqa.md, causal bf16 S = 8K): H=128 (128, 128, 8
     warps, 3 stages) 454 TFLOP/s, H=256 (128, 64, 8 warps, 2 stages) 474 TFLOP/s. The stage
     count is lowered while the pipelined tiles (K + V + ``extra_bytes_per_stage``, e.g. a bias
-    tile) would not fit the 227 KiB of shared memory (Triton allocates Q + stages x tiles).
-    """
+    tile) would not fit the 227 KiB of shared memory (Triton allocates Q + stages x tiles; 2 KiB
+    stay free for the TMA path's barriers)."""
     if interpret:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:
@@ -273,6 +300,6 @@ def prefill_config(head: int, dot_dtype, interpret: bool, extra_bytes_per_stage:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
     q_bytes = cfg["BLOCK_M"] * head * dot_dtype.itemsize
     stage = 2 * cfg["BLOCK_N"] * head * dot_dtype.itemsize + extra_bytes_per_stage
-    while cfg["num_stages"] > 1 and q_bytes + cfg["num_stages"] * stage > 232448:
+    while cfg["num_stages"] > 1 and q_bytes + cfg["num_stages"] * stage > 232448 - 2048:
         cfg["num_stages"] -= 1
     return cfg

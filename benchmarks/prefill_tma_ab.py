@@ -1,0 +1,79 @@
+"""Prefill kernel alone: TMA (tensor-descriptor) K/V tiles vs per-thread cp.async (GPU machine).
+
+    PYTHONPATH=src python benchmarks/prefill_tma_ab.py --out $OUT
+
+Causal bf16 first prompt, (N, KV) = (32, 8), B*S = 16K, H in {128, 256}, S in {2K, 8K, 32K}:
+the default launch config with ``USE_DESC`` off (base) and on (tma), plus a few TMA stage /
+tile variants, in one process. Each variant's output is compared with the base output
+(``maxdiff_vs_base``; the two paths compute the same sums in the same order). Writes
+``prefill_tma_ab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import bench_gqa as bg  # noqa: E402
+from _harness import gpu_meta  # noqa: E402
+from longattn.gqa.triton.prefill import prefill_config  # noqa: E402
+
+
+def variants(h: int) -> list[tuple[str, dict]]:
+    base = prefill_config(h, torch.bfloat16, False)
+    out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
+    if h == 128:
+        out += [("tma_st2", dict(base, USE_DESC=True, num_stages=2)),
+                ("tma_bn64", dict(base, USE_DESC=True, BLOCK_N=64))]  # fmt: skip
+    else:
+        out += [("tma_bn32", dict(base, USE_DESC=True, BLOCK_N=32, num_stages=3))]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    rows = []
+    for h in (128, 256):
+        for s in (2048, 8192, 32768):
+            b = max(1, 16384 // s)
+            sets, p = bg._prefill_sets(b, s, h, 2 if s < 32768 else 1)
+            asets = bg._attn_sets_from(sets, p, h)
+            flops = 4 * b * bg.N * h * s * s / 2
+            ref = None
+            for name, cfg in variants(h):
+                q_rot, pk, pv, sl, out = asets[0]
+                out.fill_(float("nan"))
+                try:
+                    bg._prefill_attn_fn(p, cfg)(q_rot, pk, pv, sl, out)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # e.g. shared memory
+                    print(f"  {h} {s} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                    continue
+                o = out.float().clone()
+                ref = o if ref is None else ref
+                us = bg._time_or_none(bg._prefill_attn_fn(p, cfg), asets, s >= 32768)
+                row = dict(H=h, S=s, B=b, variant=name, cfg=str(cfg), us=us,
+                           TFLOPs=flops / (us * 1e-6) / 1e12 if us else None,
+                           maxdiff_vs_base=(o - ref).abs().max().item(),
+                           nan=bool(torch.isnan(o).any()))  # fmt: skip
+                print(f"  {row}", flush=True)
+                rows.append(row)
+            del sets, asets
+            torch.cuda.empty_cache()
+    path = Path(args.out) / "prefill_tma_ab.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
