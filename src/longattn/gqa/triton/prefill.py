@@ -5,6 +5,11 @@ the cache (past rows plus the new rows the prologue just wrote), read tile by ti
 of a tile is computed from its first/last query position, so fully masked KV blocks are never
 loaded; the range splits into a masked lead-in (window edge), an unmasked middle and a masked
 tail (diagonal / sequence end), each one call of ``_attend_range``.
+
+On sm_90+ with 16-bit caches (``USE_DESC``, chosen by ``launch.prefill_use_tma``) the unmasked
+middle reads K/V through TMA tensor descriptors (one bulk copy per tile instead of per-thread
+cp.async copies and their address math); the masked ranges keep masked pointer loads, because a
+TMA tile would also read cache rows past the sequence (up to the capacity), which may hold NaN.
 """
 
 from __future__ import annotations
