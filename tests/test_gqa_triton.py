@@ -27,6 +27,7 @@ from longattn._attention_torch import (
     sink_logits,
 )
 from longattn._rotary import rope_cache
+from longattn._triton_utils import tma_ok
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
@@ -329,6 +330,11 @@ def test_prefill_tma_path_interpret(name, device, monkeypatch):
 
 
 @pytest.mark.interpret
+def test_tma_gate_is_off_off_gpu_and_under_the_interpreter():
+    assert not tma_ok(torch.zeros(2, 4, 64, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.interpret
 def test_decode_and_prefill_paths_agree(device):
     """The same small chunked-prefill call through both attention kernels."""
     c = Case(s=4, lens=(10, 25), first_prompt=False, window=9, sink="head")
@@ -374,6 +380,9 @@ GPU_CASES = {
         b=2, s=2048, lens=(2048, 1111), first_prompt=False, n=8, kv=2, h=128,
         act=torch.bfloat16, sink="head", qk_norm=True,
     ),
+    "prefill-first-fp16-h128-odd": Case(
+        b=2, s=239, lens=(239, 113), n=8, kv=4, h=128, act=torch.float16, window=100
+    ),
     "prefill-past-fp16cache-bias": Case(
         b=1, s=512, lens=(8000,), first_prompt=False, n=8, kv=2, h=128, act=torch.bfloat16,
         cache=torch.float16, bias="heads",
@@ -415,6 +424,37 @@ GPU_CASES = {
 def test_gqa_triton_gpu(name, device):
     _run_and_check(GPU_CASES[name], device)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_prefill_tma_matches_pointer_path(device, monkeypatch):
+    """sm_90+: the TMA middle range and the per-thread-copy kernel compute the same sums in the
+    same order (bit-identical outputs); the cache rows past each sequence hold NaN, so a masked
+    tile that read them through TMA would show."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    c = Case(b=2, s=700, lens=(1500, 611), first_prompt=False, n=8, kv=2, h=128,
+             act=torch.bfloat16, window=400)  # fmt: skip
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    assert launch.prefill_use_tma(torch.empty(1, dtype=torch.bfloat16, device=device), pk, pv)
+    tma = gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
+    monkeypatch.setenv("LONGATTN_DISABLE_TMA", "1")
+    assert not launch.prefill_use_tma(torch.empty(1, dtype=torch.bfloat16, device=device), pk, pv)
+    ptr = gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
+    assert bool(torch.isfinite(tma).all())
+    torch.testing.assert_close(tma, ptr, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_tma_gate_needs_16_byte_aligned_strides_and_base(device):
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    cache = torch.zeros(2, 4, 64, 136, dtype=torch.bfloat16, device=device)
+    assert tma_ok(cache[..., :128])  # a head-dim slice: row stride 272 B, aligned
+    assert not tma_ok(cache[..., 1:129])  # base 2 B past an aligned address
+    odd = torch.zeros(2, 4, 64, 131, dtype=torch.bfloat16, device=device)[..., :128]
+    assert not tma_ok(odd)  # row stride 262 B
+    assert not tma_ok(cache.transpose(2, 3))  # last dimension not contiguous
 
 
 @pytest.mark.gpu
