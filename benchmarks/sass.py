@@ -6,6 +6,7 @@ That is how to check a kernel change before spending GPU time (e.g. "are the K/V
 cp.async?", "did the softmax lose an FMUL per logit?").
 
     python benchmarks/sass.py gqa-prefill [--set HAS_SOFTCAP=True] [--warps 8 --stages 3]
+    python benchmarks/sass.py gqa-prefill --set USE_DESC=True   # TMA K/V (sm_90+ default)
     python benchmarks/sass.py gqa-decode --set BLOCK_N=128 --cache i8
     python benchmarks/sass.py dsa-decode --set BLOCK_N=64
     python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
@@ -183,6 +184,10 @@ def main(argv=None):
     for item in filter(None, args.set.split(",")):
         name, val = item.split("=")
         ce[name] = _value(val)
+    if ce.get("USE_DESC"):  # gqa-prefill's TMA path: the caches arrive as tensor descriptors
+        elem = types["k_ptr"].lstrip("*")
+        types = dict(types, **{f"{n}_desc": f"tensordesc<{elem}[1, 1, {ce['BLOCK_N']}, "
+                                            f"{ce['HEAD']}]>" for n in ("k", "v")})  # fmt: skip
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
                        num_stages=args.stages or stages, maxnreg=args.maxnreg)  # fmt: skip
     hist = histogram(res["sass"])
