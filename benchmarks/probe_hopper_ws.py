@@ -5,12 +5,22 @@ kernel).
 
     python benchmarks/probe_hopper_ws.py
 
-Findings with triton 3.6 (2026-12-03): it engages with 4 warps, BLOCK_M 64 and TMA descriptor
-loads (2-D, or 3-D + reshape), also with runtime loop bounds; it is silently ignored with 8 warps
-and when the loop sits under a runtime ``if``; with 4 warps and BLOCK_M 128 the pass fails.
-In ``gqa_prefill_kernel`` (restructured without the runtime ``if``) the pass asserts in
-WSLowerToken: the masked pointer-load loops around the TMA loop are the suspected cause.
-Not measured on the GPU.
+Findings with triton 3.6 (2026-12-03, compile only, not measured on the GPU):
+
+- engages with 4 warps, BLOCK_M 64, Q/K/V loads and the O store all through TMA descriptors
+  (2-D, or 3-D + reshape), runtime loop bounds allowed, and with an unconditional causal
+  ``tl.where`` mask inside the loop; also with device-side descriptors
+  (``tl.make_tensor_descriptor``, shape = the sequence's valid length, so TMA zero-fills the
+  rows past it: no NaN garbage can enter, which would let masked tiles use TMA too; needs
+  ``triton.set_allocator`` at launch);
+- silently not applied: 8 warps; the loop under a runtime ``if``; a runtime ``if`` (diagonal
+  mask) inside the loop; a pointer-loaded Q;
+- the pass fails (RuntimeError): 4 warps with BLOCK_M 128; any second loop in the kernel
+  (pointer or TMA loads, before or after the specialized one), e.g. ``gqa_prefill_kernel``'s
+  masked lead/tail ranges.
+
+So a warp-specialized prefill would be one loop over every tile with the mask applied on each
+tile, BLOCK_M 64 per CTA, TMA for Q, K, V and O.
 """
 
 from __future__ import annotations
