@@ -131,13 +131,13 @@ def test_pdl_gate(monkeypatch, capability, disabled, interp, want):
     monkeypatch.setattr(tu, "cuda_capability", lambda index: capability)
     monkeypatch.setattr(tu, "interpret", lambda: interp)
     monkeypatch.setenv("LONGATTN_DISABLE_PDL", "1" if disabled else "0")
-    tu._pdl_on.cache_clear()
+    tu._sm90_compiled.cache_clear()
     try:
         assert tu.pdl_enabled(torch.device("cuda", 0)) is want
         assert tu.pdl_enabled(torch.device("cpu")) is False
         assert tu.pdl_kwargs(torch.zeros(1)) == {"PDL": False}
     finally:
-        tu._pdl_on.cache_clear()
+        tu._sm90_compiled.cache_clear()
 
 
 def test_pdl_kernels_wait_for_the_previous_grid_first():

@@ -55,27 +55,31 @@ def device_sms(t: torch.Tensor) -> int:
 
 
 @functools.cache
-def _pdl_on(device_index: int, disabled: bool) -> bool:
-    return not disabled and not interpret() and cuda_capability(device_index)[0] >= 9
+def _sm90_compiled(device_index: int) -> bool:
+    """Compiled (not interpreted) kernels on an sm_90+ device."""
+    return not interpret() and cuda_capability(device_index)[0] >= 9
+
+
+def _hopper_feature_on(device: torch.device, disable_env: str) -> bool:
+    """An sm_90+ launch feature: CUDA, compiled kernels, sm_90+, and ``disable_env`` unset
+    (read per call)."""
+    if device.type != "cuda" or _truthy(os.environ.get(disable_env)):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm90_compiled(index)
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with programmatic dependent launch (``pdl_kwargs``):
     CUDA sm_90+, not the interpreter, and ``LONGATTN_DISABLE_PDL`` unset (read per call)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _pdl_on(index, _truthy(os.environ.get("LONGATTN_DISABLE_PDL")))
+    return _hopper_feature_on(device, "LONGATTN_DISABLE_PDL")
 
 
 def tma_ok(t: torch.Tensor) -> bool:
     """Whether ``t`` can back a TMA tensor descriptor here: CUDA sm_90+, not the interpreter,
     ``LONGATTN_DISABLE_TMA`` unset (read per call), 16-byte aligned base and strides (the last
     dimension contiguous)."""
-    if t.device.type != "cuda" or _truthy(os.environ.get("LONGATTN_DISABLE_TMA")):
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if interpret() or cuda_capability(index)[0] < 9:
+    if not _hopper_feature_on(t.device, "LONGATTN_DISABLE_TMA"):
         return False
     size = t.element_size()
     return (
