@@ -330,6 +330,17 @@ def test_prefill_tma_path_interpret(name, device, monkeypatch):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize(
+    "name", ["causal-past", "window-softcap", "first-bias-batch-qknorm", "sink-bias-full"]
+)
+def test_prefill_ws_prototype_interpret(name, device):
+    """The warp-specialized prototype kernel (one loop, TMA everywhere, per-program K/V
+    descriptors bounded by the sequence length) against the fp64 reference."""
+    c = dataclasses.replace(PREFILL_CASES[name], force_path="prefill_ws", bias=None)
+    _run_and_check(c, device)
+
+
+@pytest.mark.interpret
 def test_tma_gate_is_off_off_gpu_and_under_the_interpreter():
     assert not tma_ok(torch.zeros(2, 4, 64, 128, dtype=torch.bfloat16))
 
@@ -443,6 +454,18 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
     ptr = gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
     assert bool(torch.isfinite(tma).all())
     torch.testing.assert_close(tma, ptr, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["prefill-first-bf16-h64", "prefill-first-bf16-h128-4k",
+                                  "prefill-first-bf16-h256-window-softcap",
+                                  "prefill-past-bf16-h128-sink-qknorm",
+                                  "prefill-first-fp16-h128-odd"])  # fmt: skip
+def test_prefill_ws_prototype_gpu(name, device):
+    """The warp-specialized prototype on real shapes (ragged, NaN past each sequence)."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    _run_and_check(dataclasses.replace(GPU_CASES[name], force_path="prefill_ws"), device)
 
 
 @pytest.mark.gpu

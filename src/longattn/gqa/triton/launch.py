@@ -226,6 +226,78 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int):
                             [1, 1, block_n, cache.shape[3]])  # fmt: skip
 
 
+def prefill_ws_fits(p: GQAParams, q_rot, present_key, present_value, q_scale) -> bool:
+    """The plain case the warp-specialized prototype covers: 16-bit caches in the dot dtype,
+    no bias, no per-row Q scale."""
+    return (
+        q_rot.dtype in (torch.float16, torch.bfloat16)
+        and present_key.dtype == q_rot.dtype
+        and present_value.dtype == q_rot.dtype
+        and p.attention_bias is None
+        and q_scale is None
+    )
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_triton_allocator():
+    """Device-side TMA descriptors need launch-time scratch: install a torch-backed allocator
+    when the process has none (a caller's own allocator is kept)."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_allocator)
+
+
+def run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
+    """Warp-specialized prototype (``prefill_ws.gqa_prefill_ws_kernel``): grid
+    (cdiv(S, BLOCK_M), B * N)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .prefill_ws import gqa_prefill_ws_kernel
+
+    b, s, n, h = q_rot.shape
+    cfg = dict(cfg or dict(BLOCK_M=64, BLOCK_N=64 if h > 128 else 128, num_warps=4,
+                           num_stages=2, WARP_SPEC=not _interpret()))  # fmt: skip
+    bm = cfg["BLOCK_M"]
+    q_desc = TensorDescriptor(q_rot, list(q_rot.shape), list(q_rot.stride()), [1, bm, 1, h])
+    o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, bm, h])
+    _ensure_triton_allocator()
+    qk_scale, softcap_mult = _logit_scalars(p)
+    gqa_prefill_ws_kernel[(cdiv(s, bm), b * n)](
+        q_desc=q_desc,
+        k_ptr=present_key,
+        v_ptr=present_value,
+        o_desc=o_desc,
+        seqlens_ptr=seqlens_k,
+        sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
+        max_total=p.total_sequence_length,
+        seq_len=s,
+        window=max(p.local_window_size, 0),
+        stride_kb=present_key.stride(0),
+        stride_kh=present_key.stride(1),
+        stride_kc=present_key.stride(2),
+        stride_vb=present_value.stride(0),
+        stride_vh=present_value.stride(1),
+        stride_vc=present_value.stride(2),
+        qk_scale=qk_scale,
+        softcap_mult=softcap_mult,
+        NUM_HEADS=n,
+        GROUP=p.group,
+        HEAD=h,
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        HAS_WINDOW=p.local_window_size > 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        INTERPRET=_interpret(),
+        **cfg,
+    )
+
+
 def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, q_scale=None):
     """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
     b, s = q_rot.shape[:2]
@@ -397,6 +469,8 @@ def gqa_triton(
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
                    q_scale)  # fmt: skip
+    elif path == "prefill_ws":
+        run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:
         run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg, q_scale)
     return out
