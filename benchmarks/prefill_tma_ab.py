@@ -31,10 +31,19 @@ def _ws(bn: int, stages: int = 2, ws: bool = True) -> dict:
     return dict(_WS=True, BLOCK_M=64, BLOCK_N=bn, num_warps=4, num_stages=stages, WARP_SPEC=ws)
 
 
+def _gl(**kw) -> dict:
+    return dict(_GLUON=True, **kw)
+
+
 def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
     # the warp-specialized prototype (prefill_ws.py): one loop, TMA everywhere, BLOCK_M 64
+    # the Gluon kernel (prefill_gluon.py): 2 consumer warpgroups + a TMA producer warp
+    out += [("gluon", _gl()), ("gluon_noov", _gl(OVERLAP=False))]
+    if h == 128:
+        out += [("gluon_bn64_st3", _gl(BLOCK_N=64, STAGES=3)),
+                ("gluon_bn64_st4", _gl(BLOCK_N=64, STAGES=4))]  # fmt: skip
     if h == 128:
         out += [("ws_bn128", _ws(128)), ("ws_bn64", _ws(64)), ("ws_bn64_st3", _ws(64, 3)),
                 ("nows_bn128", _ws(128, ws=False))]  # fmt: skip
@@ -44,6 +53,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
 
 
 def _fn(p, cfg):
+    if cfg.get("_GLUON"):
+        g_cfg = {k: v for k, v in cfg.items() if k != "_GLUON"}
+        return lambda q_rot, pk, pv, sl, out: launch.run_prefill_gluon(q_rot, pk, pv, sl, p, out,
+                                                                       g_cfg)  # fmt: skip
     if cfg.get("_WS"):
         ws_cfg = {k: v for k, v in cfg.items() if k != "_WS"}
         return lambda q_rot, pk, pv, sl, out: launch.run_prefill_ws(q_rot, pk, pv, sl, p, out,

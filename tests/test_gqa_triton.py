@@ -469,6 +469,30 @@ def test_prefill_ws_prototype_gpu(name, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["prefill-first-bf16-h64", "prefill-first-bf16-h128-4k",
+                                  "prefill-first-bf16-h256-window-softcap",
+                                  "prefill-past-bf16-h128-sink-qknorm",
+                                  "prefill-first-fp16-h128-odd"])  # fmt: skip
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_gluon_gpu(name, overlap, device):
+    """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
+    past each sequence hold NaN (TMA must zero-fill them, never read them into a product)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon prefill is built for sm_90")
+    c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    assert launch.prefill_gluon_fits(p, torch.empty(c.b, c.s, c.n, c.h, dtype=c.act,
+                                                    device=device), pk, pv,
+                                     torch.empty(c.b, c.s, c.n * c.h, device=device), None)  # fmt: skip
+    orig = launch.prefill_gluon_config
+    try:
+        launch.prefill_gluon_config = lambda h: dict(orig(h), OVERLAP=overlap)
+        _run_and_check(c, device)
+    finally:
+        launch.prefill_gluon_config = orig
+
+
+@pytest.mark.gpu
 def test_tma_gate_needs_16_byte_aligned_strides_and_base(device):
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("TMA descriptors need sm_90+")

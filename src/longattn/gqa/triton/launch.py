@@ -298,6 +298,89 @@ def run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, cfg=Non
     )
 
 
+def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_scale) -> bool:
+    """The case the Gluon (sm_90, warp-specialized) prefill covers: 16-bit caches in the dot
+    dtype, head size 64/128/256, no bias, no per-row Q scale, TMA-able operands."""
+    h = q_rot.shape[-1]
+    return (
+        q_rot.dtype in (torch.float16, torch.bfloat16)
+        and h in (64, 128, 256)
+        and present_key.dtype == q_rot.dtype
+        and present_value.dtype == q_rot.dtype
+        and p.attention_bias is None
+        and q_scale is None
+        and q_rot.is_contiguous()
+        and out.stride(-1) == 1
+        and tma_ok(q_rot)
+        and tma_ok(present_key)
+        and tma_ok(present_value)
+    )
+
+
+def prefill_gluon_config(head: int) -> dict:
+    """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
+    STAGES (two 64-row Q tiles stay resident)."""
+    if head > 128:
+        return dict(BLOCK_N=64, STAGES=2, OVERLAP=True)
+    if head > 64:
+        return dict(BLOCK_N=128, STAGES=2, OVERLAP=True)
+    return dict(BLOCK_N=128, STAGES=3, OVERLAP=True)
+
+
+def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
+    """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): grid
+    (cdiv(S, 128), B * N); two consumer warpgroups and a TMA producer warp per CTA."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .prefill_gluon import ROWS_PER_WG, gqa_prefill_gluon_kernel
+
+    b, s, n, h = q_rot.shape
+    cfg = dict(prefill_gluon_config(h), **(cfg or {}))
+    regs = cfg.pop("CONSUMER_REGS", 240)
+    maxnreg = cfg.pop("maxnreg", 168)
+    rows = int(ROWS_PER_WG)
+    gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
+    q2 = q_rot.view(b * s, n * h)
+    q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
+                             gl.NVMMASharedLayout.get_default_for([rows, h], gdt))  # fmt: skip
+    _ensure_triton_allocator()
+    qk_scale, softcap_mult = _logit_scalars(p)
+    gqa_prefill_gluon_kernel[(cdiv(s, 2 * rows), b * n)](
+        q_desc,
+        present_key,
+        present_value,
+        out,
+        seqlens_k,
+        p.head_sink if p.head_sink is not None else q_rot,
+        p.total_sequence_length,
+        s,
+        max(p.local_window_size, 0),
+        present_key.stride(0),
+        present_key.stride(1),
+        present_key.stride(2),
+        present_value.stride(0),
+        present_value.stride(1),
+        present_value.stride(2),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        softcap_mult,
+        NUM_HEADS=n,
+        GROUP=p.group,
+        HEAD=h,
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        HAS_WINDOW=p.local_window_size > 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        CONSUMER_REGS=regs,
+        num_warps=4,
+        maxnreg=maxnreg,
+        **cfg,
+    )
+
+
 def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, q_scale=None):
     """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
     b, s = q_rot.shape[:2]
@@ -471,6 +554,8 @@ def gqa_triton(
                    q_scale)  # fmt: skip
     elif path == "prefill_ws":
         run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
+    elif path == "prefill_gluon":
+        run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:
         run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg, q_scale)
     return out
