@@ -40,10 +40,11 @@ def variants(h: int) -> list[tuple[str, dict]]:
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
     # the warp-specialized prototype (prefill_ws.py): one loop, TMA everywhere, BLOCK_M 64
     # the Gluon kernel (prefill_gluon.py): 2 consumer warpgroups + a TMA producer warp
-    out += [("gluon", _gl()), ("gluon_noov", _gl(OVERLAP=False))]
+    out += [("gluon", _gl()), ("gluon_pp", _gl(PINGPONG=True)),
+            ("gluon_noov", _gl(OVERLAP=False))]  # fmt: skip
     if h == 128:
         out += [("gluon_bn64_st3", _gl(BLOCK_N=64, STAGES=3)),
-                ("gluon_bn64_st4", _gl(BLOCK_N=64, STAGES=4))]  # fmt: skip
+                ("gluon_bn64_st4_pp", _gl(BLOCK_N=64, STAGES=4, PINGPONG=True))]  # fmt: skip
     if h == 128:
         out += [("ws_bn128", _ws(128)), ("ws_bn64", _ws(64)), ("ws_bn64_st3", _ws(64, 3)),
                 ("nows_bn128", _ws(128, ws=False))]  # fmt: skip

@@ -473,8 +473,8 @@ def test_prefill_ws_prototype_gpu(name, device):
                                   "prefill-first-bf16-h256-window-softcap",
                                   "prefill-past-bf16-h128-sink-qknorm",
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
-@pytest.mark.parametrize("overlap", [True, False])
-def test_prefill_gluon_gpu(name, overlap, device):
+@pytest.mark.parametrize("schedule", ["overlap", "pingpong", "serial"])
+def test_prefill_gluon_gpu(name, schedule, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
     past each sequence hold NaN (TMA must zero-fill them, never read them into a product)."""
     if torch.cuda.get_device_capability(device)[0] != 9:
@@ -486,7 +486,9 @@ def test_prefill_gluon_gpu(name, overlap, device):
                                      torch.empty(c.b, c.s, c.n * c.h, device=device), None)  # fmt: skip
     orig = launch.prefill_gluon_config
     try:
-        launch.prefill_gluon_config = lambda h: dict(orig(h), OVERLAP=overlap)
+        launch.prefill_gluon_config = lambda h: dict(
+            orig(h), OVERLAP=schedule != "serial", PINGPONG=schedule == "pingpong"
+        )
         _run_and_check(c, device)
     finally:
         launch.prefill_gluon_config = orig

@@ -321,10 +321,10 @@ def prefill_gluon_config(head: int) -> dict:
     """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
     STAGES (two 64-row Q tiles stay resident)."""
     if head > 128:
-        return dict(BLOCK_N=64, STAGES=2, OVERLAP=True)
+        return dict(BLOCK_N=64, STAGES=2, OVERLAP=True, PINGPONG=False)
     if head > 64:
-        return dict(BLOCK_N=128, STAGES=2, OVERLAP=True)
-    return dict(BLOCK_N=128, STAGES=3, OVERLAP=True)
+        return dict(BLOCK_N=128, STAGES=2, OVERLAP=True, PINGPONG=False)
+    return dict(BLOCK_N=128, STAGES=3, OVERLAP=True, PINGPONG=False)
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):

@@ -14,6 +14,9 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
 - ``OVERLAP``: the softmax of tile j runs while the PV wgmma of tile j-1 is still in flight
   (FA3's intra-warpgroup overlap): QK^T(j) is issued, then PV(j-1), then only QK^T(j) is
   waited for.
+- ``PINGPONG`` (with OVERLAP): the two warpgroups take turns issuing their GEMM blocks
+  (two mbarriers), so one warpgroup's softmax runs while the other's GEMMs hold the tensor
+  cores (FA3's inter-warpgroup schedule).
 
 Grid: (cdiv(S, 128), B * N), longest causal tiles first. Not interpreter-runnable (Gluon has
 no interpreter): correctness is checked on the GPU against the fp64 reference.
@@ -106,13 +109,28 @@ def _softmax_step(s, unit, m_i, l_i):
 
 
 @gluon.jit
+def _turn_wait(turn, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until it is this warpgroup's turn to issue its ``it``-th GEMM block
+    (warpgroup 0 goes first; the two alternate)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (it & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: hand the tensor cores to the other warpgroup once our GEMMs are issued."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _consumer(
     WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
     seq_len, kv_lo, n_tiles, window, qk_scale, softcap_mult,
-    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
-    SINK_FROM_PTR: gl.constexpr, OVERLAP: gl.constexpr,
+    SINK_FROM_PTR: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Rows [m0 + 64 WG, m0 + 64 WG + 64) of the CTA's tile: online softmax over every K/V
     tile the producer delivers, then the normalized rows to ``o_ptr``."""
@@ -141,8 +159,10 @@ def _consumer(
     if OVERLAP:
         if n_tiles > 0:
             mbarrier.wait(k_ready.index(0), 0)
+            _turn_wait(turn, 0, WG, PINGPONG)
             qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)  # fmt: skip
+            _turn_pass(turn, WG, PINGPONG)
             qk = warpgroup_mma_wait(0, deps=(qk,))
             s, unit = _logits(qk, kv_lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult,
                               s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
@@ -153,10 +173,12 @@ def _consumer(
                 prev = (j - 1) % STAGES
                 p_op = gl.convert_layout(p.to(dtype), p_layout)  # [64, BLOCK_N] of tile j-1
                 mbarrier.wait(k_ready.index(slot), phase)
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                _turn_wait(turn, j, WG, PINGPONG)
                 qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)  # fmt: skip
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
                 qk = warpgroup_mma_wait(1, deps=(qk,))  # QK^T(j) done; PV(j-1) may still run
                 s, unit = _logits(qk, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                                   softcap_mult, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
@@ -167,7 +189,9 @@ def _consumer(
             last = (n_tiles - 1) % STAGES
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            _turn_wait(turn, n_tiles, WG, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(last), count=1)
     else:
@@ -244,6 +268,7 @@ def gqa_prefill_gluon_kernel(
     HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr,
     OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,  # the two warpgroups alternate GEMM issue (needs OVERLAP)
     CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 2 * ROWS_PER_WG
@@ -279,7 +304,10 @@ def gqa_prefill_gluon_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -288,106 +316,24 @@ def gqa_prefill_gluon_kernel(
     k_base = k_ptr + b.to(gl.int64) * stride_kb + kvh.to(gl.int64) * stride_kh
     v_base = v_ptr + b.to(gl.int64) * stride_vb + kvh.to(gl.int64) * stride_vh
     q_row = b * seq_len + m0
+    # fmt: off
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    0,
-                    o_ptr,
-                    sink_ptr,
-                    stride_ob,
-                    stride_os,
-                    b,
-                    n,
-                    m0,
-                    offset,
-                    rows_valid,
-                    seq_len,
-                    kv_lo,
-                    n_tiles,
-                    window,
-                    qk_scale,
-                    softcap_mult,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    HEAD,
-                    BLOCK_N,
-                    STAGES,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                    HAS_SINK,
-                    SINK_FROM_PTR,
-                    OVERLAP,
-                ),
-            ),  # fmt: skip
-            (
-                _consumer,
-                (
-                    1,
-                    o_ptr,
-                    sink_ptr,
-                    stride_ob,
-                    stride_os,
-                    b,
-                    n,
-                    m0,
-                    offset,
-                    rows_valid,
-                    seq_len,
-                    kv_lo,
-                    n_tiles,
-                    window,
-                    qk_scale,
-                    softcap_mult,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    HEAD,
-                    BLOCK_N,
-                    STAGES,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                    HAS_SINK,
-                    SINK_FROM_PTR,
-                    OVERLAP,
-                ),
-            ),  # fmt: skip
-            (
-                _producer,
-                (
-                    q_desc,
-                    k_base,
-                    v_base,
-                    total_len,
-                    stride_kc,
-                    stride_vc,
-                    q_row,
-                    n * HEAD,
-                    kv_lo,
-                    n_tiles,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    kv_empty,
-                    HEAD,
-                    BLOCK_N,
-                    STAGES,
-                ),
-            ),  # fmt: skip
+            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, n_tiles, window, qk_scale, softcap_mult, q_smem, k_smem,
+                         v_smem, q_bar, k_ready, v_ready, kv_empty, turn, HEAD, BLOCK_N, STAGES,
+                         HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, OVERLAP,
+                         PINGPONG and OVERLAP)),
+            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, n_tiles, window, qk_scale, softcap_mult, q_smem, k_smem,
+                         v_smem, q_bar, k_ready, v_ready, kv_empty, turn, HEAD, BLOCK_N, STAGES,
+                         HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, OVERLAP,
+                         PINGPONG and OVERLAP)),
+            (_producer, (q_desc, k_base, v_base, total_len, stride_kc, stride_vc, q_row,
+                         n * HEAD, kv_lo, n_tiles, q_smem, k_smem, v_smem, q_bar, k_ready,
+                         v_ready, kv_empty, HEAD, BLOCK_N, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
     )
+    # fmt: on
