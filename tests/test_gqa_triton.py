@@ -438,12 +438,21 @@ def test_gqa_triton_gpu(name, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [k for k in GPU_CASES if k.startswith("prefill-")])
+def test_gqa_triton_prefill_without_gluon_gpu(name, device, monkeypatch):
+    """The Triton prefill kernel on the cases the Gluon kernel takes by default on sm_90."""
+    monkeypatch.setenv("LONGATTN_DISABLE_GLUON", "1")
+    _run_and_check(GPU_CASES[name], device)
+
+
+@pytest.mark.gpu
 def test_prefill_tma_matches_pointer_path(device, monkeypatch):
     """sm_90+: the TMA middle range and the per-thread-copy kernel compute the same sums in the
     same order (bit-identical outputs); the cache rows past each sequence hold NaN, so a masked
     tile that read them through TMA would show."""
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("TMA descriptors need sm_90+")
+    monkeypatch.setenv("LONGATTN_DISABLE_GLUON", "1")  # both runs on the Triton kernel
     c = Case(b=2, s=700, lens=(1500, 611), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16, window=400)  # fmt: skip
     query, key, value, pk, pv, seqlens, p = _build(c, device)

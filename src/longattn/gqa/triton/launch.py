@@ -16,7 +16,7 @@ import torch
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, tma_ok
+from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -303,7 +303,8 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
     dtype, head size 64/128/256, no bias, no per-row Q scale, TMA-able operands."""
     h = q_rot.shape[-1]
     return (
-        q_rot.dtype in (torch.float16, torch.bfloat16)
+        gluon_hopper_enabled(q_rot.device)
+        and q_rot.dtype in (torch.float16, torch.bfloat16)
         and h in (64, 128, 256)
         and present_key.dtype == q_rot.dtype
         and present_value.dtype == q_rot.dtype
@@ -382,7 +383,12 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
 
 
 def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, q_scale=None):
-    """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
+    """Flash attention of every new row: the Gluon warp-specialized kernel where it fits (sm_90,
+    ``prefill_gluon_fits``, no explicit ``cfg``), else the Triton kernel with grid
+    (cdiv(S, BLOCK_M), B * N)."""
+    if cfg is None and prefill_gluon_fits(p, q_rot, present_key, present_value, out, q_scale):
+        run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out)
+        return
     b, s = q_rot.shape[:2]
     bias = p.attention_bias
     if cfg is None:
