@@ -27,10 +27,6 @@ from longattn.gqa.triton import launch  # noqa: E402
 from longattn.gqa.triton.prefill import prefill_config  # noqa: E402
 
 
-def _ws(bn: int, stages: int = 2, ws: bool = True) -> dict:
-    return dict(_WS=True, BLOCK_M=64, BLOCK_N=bn, num_warps=4, num_stages=stages, WARP_SPEC=ws)
-
-
 def _gl(**kw) -> dict:
     return dict(_GLUON=True, **kw)
 
@@ -38,18 +34,13 @@ def _gl(**kw) -> dict:
 def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
-    # the warp-specialized prototype (prefill_ws.py): one loop, TMA everywhere, BLOCK_M 64
-    # the Gluon kernel (prefill_gluon.py): 2 consumer warpgroups + a TMA producer warp
-    out += [("gluon", _gl()), ("gluon_pp", _gl(PINGPONG=True)),
-            ("gluon_noov", _gl(OVERLAP=False))]  # fmt: skip
+    # the Gluon kernel (prefill_gluon.py): NUM_WG consumer warpgroups + a TMA producer warp
+    out += [("gluon", _gl()), ("gluon_devdesc", _gl(DEVICE_DESC=True))]
     if h == 128:
-        out += [("gluon_bn64_st3", _gl(BLOCK_N=64, STAGES=3)),
-                ("gluon_bn64_st4_pp", _gl(BLOCK_N=64, STAGES=4, PINGPONG=True))]  # fmt: skip
-    if h == 128:
-        out += [("ws_bn128", _ws(128)), ("ws_bn64", _ws(64)), ("ws_bn64_st3", _ws(64, 3)),
-                ("nows_bn128", _ws(128, ws=False))]  # fmt: skip
+        out += [("gluon_st3", _gl(STAGES=3)),
+                ("gluon_wg3_bn64_st4", _gl(NUM_WG=3, BLOCK_N=64, STAGES=4))]  # fmt: skip
     else:
-        out += [("ws_bn64", _ws(64)), ("nows_bn64", _ws(64, ws=False))]
+        out += [("gluon_bn32_st4", _gl(BLOCK_N=32, STAGES=4))]
     return out
 
 
@@ -58,10 +49,6 @@ def _fn(p, cfg):
         g_cfg = {k: v for k, v in cfg.items() if k != "_GLUON"}
         return lambda q_rot, pk, pv, sl, out: launch.run_prefill_gluon(q_rot, pk, pv, sl, p, out,
                                                                        g_cfg)  # fmt: skip
-    if cfg.get("_WS"):
-        ws_cfg = {k: v for k, v in cfg.items() if k != "_WS"}
-        return lambda q_rot, pk, pv, sl, out: launch.run_prefill_ws(q_rot, pk, pv, sl, p, out,
-                                                                     ws_cfg)  # fmt: skip
     return bg._prefill_attn_fn(p, cfg)
 
 

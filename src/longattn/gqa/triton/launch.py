@@ -226,18 +226,6 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int):
                             [1, 1, block_n, cache.shape[3]])  # fmt: skip
 
 
-def prefill_ws_fits(p: GQAParams, q_rot, present_key, present_value, q_scale) -> bool:
-    """The plain case the warp-specialized prototype covers: 16-bit caches in the dot dtype,
-    no bias, no per-row Q scale."""
-    return (
-        q_rot.dtype in (torch.float16, torch.bfloat16)
-        and present_key.dtype == q_rot.dtype
-        and present_value.dtype == q_rot.dtype
-        and p.attention_bias is None
-        and q_scale is None
-    )
-
-
 def _torch_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -250,52 +238,6 @@ def _ensure_triton_allocator():
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_allocator)
-
-
-def run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
-    """Warp-specialized prototype (``prefill_ws.gqa_prefill_ws_kernel``): grid
-    (cdiv(S, BLOCK_M), B * N)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from .prefill_ws import gqa_prefill_ws_kernel
-
-    b, s, n, h = q_rot.shape
-    cfg = dict(cfg or dict(BLOCK_M=64, BLOCK_N=64 if h > 128 else 128, num_warps=4,
-                           num_stages=2, WARP_SPEC=not _interpret()))  # fmt: skip
-    bm = cfg["BLOCK_M"]
-    q_desc = TensorDescriptor(q_rot, list(q_rot.shape), list(q_rot.stride()), [1, bm, 1, h])
-    o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, bm, h])
-    _ensure_triton_allocator()
-    qk_scale, softcap_mult = _logit_scalars(p)
-    gqa_prefill_ws_kernel[(cdiv(s, bm), b * n)](
-        q_desc=q_desc,
-        k_ptr=present_key,
-        v_ptr=present_value,
-        o_desc=o_desc,
-        seqlens_ptr=seqlens_k,
-        sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
-        max_total=p.total_sequence_length,
-        seq_len=s,
-        window=max(p.local_window_size, 0),
-        stride_kb=present_key.stride(0),
-        stride_kh=present_key.stride(1),
-        stride_kc=present_key.stride(2),
-        stride_vb=present_value.stride(0),
-        stride_vh=present_value.stride(1),
-        stride_vc=present_value.stride(2),
-        qk_scale=qk_scale,
-        softcap_mult=softcap_mult,
-        NUM_HEADS=n,
-        GROUP=p.group,
-        HEAD=h,
-        IS_FIRST_PROMPT=p.is_first_prompt,
-        HAS_WINDOW=p.local_window_size > 0,
-        HAS_SOFTCAP=p.softcap > 0,
-        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
-        SINK_FROM_PTR=p.head_sink is not None,
-        INTERPRET=_interpret(),
-        **cfg,
-    )
 
 
 def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_scale) -> bool:
@@ -319,18 +261,21 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
 
 
 def prefill_gluon_config(head: int) -> dict:
-    """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
-    STAGES (two 64-row Q tiles stay resident)."""
+    """Tile / pipeline shape of ``prefill_gluon``: NUM_WG consumer warpgroups of 64 rows, K/V
+    slots of [BLOCK_N, HEAD] in a ring of STAGES."""
     if head > 128:
-        return dict(BLOCK_N=64, STAGES=2, OVERLAP=True, PINGPONG=False)
-    if head > 64:
-        return dict(BLOCK_N=128, STAGES=2, OVERLAP=True, PINGPONG=False)
-    return dict(BLOCK_N=128, STAGES=3, OVERLAP=True, PINGPONG=False)
+        return dict(BLOCK_N=64, STAGES=2, NUM_WG=2)
+    return dict(BLOCK_N=128, STAGES=2, NUM_WG=2)
+
+
+# setmaxnreg budgets (registers per thread) of the consumer warpgroups, and the launch cap that
+# makes them fit one CTA per SM: (NUM_WG + 1) warpgroups share the 64K-register file.
+_GLUON_REGS = {2: (240, 168), 3: (152, 128)}
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
     """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): grid
-    (cdiv(S, 128), B * N); two consumer warpgroups and a TMA producer warp per CTA."""
+    (cdiv(S, NUM_WG * 64), B * N); NUM_WG consumer warpgroups and a TMA producer warp per CTA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -338,17 +283,23 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
 
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
-    regs = cfg.pop("CONSUMER_REGS", 240)
-    maxnreg = cfg.pop("maxnreg", 168)
-    rows = int(ROWS_PER_WG)
+    regs, maxnreg = _GLUON_REGS[cfg["NUM_WG"]]
+    device_desc = cfg.pop("DEVICE_DESC", False)
+    rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
     q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
                              gl.NVMMASharedLayout.get_default_for([rows, h], gdt))  # fmt: skip
-    _ensure_triton_allocator()
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gdt)
+    k_desc, v_desc = (GluonDescriptor(c, list(c.shape), list(c.stride()), [1, 1, bn, h],
+                                      kv_layout) for c in (present_key, present_value))  # fmt: skip
+    if device_desc:
+        _ensure_triton_allocator()
     qk_scale, softcap_mult = _logit_scalars(p)
-    gqa_prefill_gluon_kernel[(cdiv(s, 2 * rows), b * n)](
+    gqa_prefill_gluon_kernel[(cdiv(s, cfg["NUM_WG"] * rows), b * n)](
         q_desc,
+        k_desc,
+        v_desc,
         present_key,
         present_value,
         out,
@@ -375,6 +326,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         HAS_SOFTCAP=p.softcap > 0,
         HAS_SINK=p.head_sink is not None or p.smooth_softmax,
         SINK_FROM_PTR=p.head_sink is not None,
+        DEVICE_DESC=device_desc,
         CONSUMER_REGS=regs,
         num_warps=4,
         maxnreg=maxnreg,
@@ -558,8 +510,6 @@ def gqa_triton(
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
                    q_scale)  # fmt: skip
-    elif path == "prefill_ws":
-        run_prefill_ws(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     elif path == "prefill_gluon":
         run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:
