@@ -34,13 +34,10 @@ def _gl(**kw) -> dict:
 def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
-    # the Gluon kernel (prefill_gluon.py): NUM_WG consumer warpgroups + a TMA producer warp
-    out += [("gluon", _gl()), ("gluon_devdesc", _gl(DEVICE_DESC=True))]
+    # the Gluon kernel (prefill_gluon.py): two consumer warpgroups + a TMA producer warp
+    out += [("gluon", _gl())]
     if h == 128:
-        out += [("gluon_st3", _gl(STAGES=3)),
-                ("gluon_wg3_bn64_st4", _gl(NUM_WG=3, BLOCK_N=64, STAGES=4))]  # fmt: skip
-    else:
-        out += [("gluon_bn32_st4", _gl(BLOCK_N=32, STAGES=4))]
+        out += [("gluon_st3", _gl(STAGES=3)), ("gluon_bn64_st3", _gl(BLOCK_N=64, STAGES=3))]
     return out
 
 

@@ -137,8 +137,8 @@ def _presets(cache: str):
                               {**attn_types, "sink_ptr": "*bf16", "max_total": "i32"},
                               dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_N=128, STAGES=2,
                                    IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
-                                   HAS_SINK=False, SINK_FROM_PTR=False, OVERLAP=True,
-                                   PINGPONG=False, CONSUMER_REGS=240), 4, 1),
+                                   HAS_SINK=False, SINK_FROM_PTR=False,
+                                   CONSUMER_REGS=240), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
@@ -203,8 +203,12 @@ def main(argv=None):
     if args.kernel == "gqa-prefill-gluon":  # Q arrives as a Gluon descriptor; 168 regs at launch
         from triton.experimental.gluon import language as gl
 
-        layout = gl.NVMMASharedLayout.get_default_for([64, ce["HEAD"]], gl.bfloat16)
-        types = dict(types, q_desc=f"tensordesc<bf16[64, {ce['HEAD']}],{layout!r}>")
+        h, bn = ce["HEAD"], ce["BLOCK_N"]
+        q_layout = gl.NVMMASharedLayout.get_default_for([64, h], gl.bfloat16)
+        kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gl.bfloat16)
+        kv_type = f"tensordesc<bf16[1, 1, {bn}, {h}],{kv_layout!r}>"
+        types = dict(types, q_desc=f"tensordesc<bf16[64, {h}],{q_layout!r}>", k_desc=kv_type,
+                     v_desc=kv_type)  # fmt: skip
         maxnreg = maxnreg or 168
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
                        num_stages=args.stages or stages, maxnreg=maxnreg)  # fmt: skip
@@ -214,6 +218,9 @@ def main(argv=None):
             json.dumps(
                 dict(
                     total=sum(hist.values()),
+                    hist=hist,
+                    regs=res["regs"],
+                    stack=res["stack"],
                     shared=res["shared"],
                     memory=memory_ops(res["sass"]),
                     loops=loops(res["sass"]),

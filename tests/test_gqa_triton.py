@@ -459,17 +459,14 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
                                   "prefill-first-bf16-h256-window-softcap",
                                   "prefill-past-bf16-h128-sink-qknorm",
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
-@pytest.mark.parametrize("variant", ["default", "device_desc", "three_wg"])
+@pytest.mark.parametrize("variant", ["default", "bn64_st3"])
 def test_prefill_gluon_gpu(name, variant, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
     past each sequence hold NaN (no tile may read them: 0 * NaN would poison P.V)."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Gluon prefill is built for sm_90")
     c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
-    if variant == "three_wg" and c.h > 128:
-        pytest.skip("three 64-row consumers fit the register file up to H = 128")
-    over = dict(default={}, device_desc=dict(DEVICE_DESC=True),
-                three_wg=dict(NUM_WG=3, BLOCK_N=64, STAGES=3))[variant]  # fmt: skip
+    over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3))[variant]
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

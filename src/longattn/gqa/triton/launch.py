@@ -226,20 +226,6 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int):
                             [1, 1, block_n, cache.shape[3]])  # fmt: skip
 
 
-def _torch_allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_triton_allocator():
-    """Device-side TMA descriptors need launch-time scratch: install a torch-backed allocator
-    when the process has none (a caller's own allocator is kept)."""
-    import triton
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_allocator)
-
-
 def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_scale) -> bool:
     """The case the Gluon (sm_90, warp-specialized) prefill covers: 16-bit caches in the dot
     dtype, head size 64/128/256, no bias, no per-row Q scale, TMA-able operands."""
@@ -261,21 +247,17 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
 
 
 def prefill_gluon_config(head: int) -> dict:
-    """Tile / pipeline shape of ``prefill_gluon``: NUM_WG consumer warpgroups of 64 rows, K/V
-    slots of [BLOCK_N, HEAD] in a ring of STAGES."""
-    if head > 128:
-        return dict(BLOCK_N=64, STAGES=2, NUM_WG=2)
-    return dict(BLOCK_N=128, STAGES=2, NUM_WG=2)
-
-
-# setmaxnreg budgets (registers per thread) of the consumer warpgroups, and the launch cap that
-# makes them fit one CTA per SM: (NUM_WG + 1) warpgroups share the 64K-register file.
-_GLUON_REGS = {2: (240, 168), 3: (152, 128)}
+    """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
+    STAGES; two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
+    warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
+    consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
+    bn = 64 if head > 128 else 128
+    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168)
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
     """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): grid
-    (cdiv(S, NUM_WG * 64), B * N); NUM_WG consumer warpgroups and a TMA producer warp per CTA."""
+    (cdiv(S, 128), B * N); two consumer warpgroups and a TMA producer warp per CTA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -283,8 +265,6 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
 
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
-    regs, maxnreg = _GLUON_REGS[cfg["NUM_WG"]]
-    device_desc = cfg.pop("DEVICE_DESC", False)
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
@@ -293,27 +273,17 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gdt)
     k_desc, v_desc = (GluonDescriptor(c, list(c.shape), list(c.stride()), [1, 1, bn, h],
                                       kv_layout) for c in (present_key, present_value))  # fmt: skip
-    if device_desc:
-        _ensure_triton_allocator()
     qk_scale, softcap_mult = _logit_scalars(p)
-    gqa_prefill_gluon_kernel[(cdiv(s, cfg["NUM_WG"] * rows), b * n)](
+    gqa_prefill_gluon_kernel[(cdiv(s, 2 * rows), b * n)](
         q_desc,
         k_desc,
         v_desc,
-        present_key,
-        present_value,
         out,
         seqlens_k,
         p.head_sink if p.head_sink is not None else q_rot,
         p.total_sequence_length,
         s,
         max(p.local_window_size, 0),
-        present_key.stride(0),
-        present_key.stride(1),
-        present_key.stride(2),
-        present_value.stride(0),
-        present_value.stride(1),
-        present_value.stride(2),
         out.stride(0),
         out.stride(1),
         qk_scale,
@@ -326,10 +296,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         HAS_SOFTCAP=p.softcap > 0,
         HAS_SINK=p.head_sink is not None or p.smooth_softmax,
         SINK_FROM_PTR=p.head_sink is not None,
-        DEVICE_DESC=device_desc,
-        CONSUMER_REGS=regs,
         num_warps=4,
-        maxnreg=maxnreg,
         **cfg,
     )
 

@@ -3,21 +3,24 @@
 Same math as ``prefill.gqa_prefill_kernel`` for the plain case (16-bit cache in the dot dtype,
 no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on Hopper:
 
-- one CTA owns ``NUM_WG * 64`` query rows of one head; the partitions share it: ``NUM_WG``
-  consumer warpgroups (64 rows each: QK^T wgmma, softmax, PV wgmma with P from registers) and
-  one producer warp that issues every TMA load (the Q tiles once, then K and V tiles into a
-  ring of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The consumers
-  run independently, so the warp schedulers overlap one warpgroup's softmax with another's
-  GEMMs (measured: faster than FA3's explicit intra-warpgroup overlap or ping-pong here,
-  ``benchmarks/results/prefill_gluon_ab1_h200.json``);
+- one CTA owns 128 query rows of one head; three partitions share it: two consumer
+  warpgroups (64 rows each: QK^T wgmma, softmax, PV wgmma with P from registers) and one
+  producer warp that issues every TMA load (both Q tiles once, then K and V tiles into a ring
+  of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The consumers run
+  independently, so the warp schedulers overlap one warpgroup's softmax with the other's
+  GEMMs;
 - no tile reads a cache row at or past the sequence's length (those rows may hold NaN
   garbage; 0 * NaN would poison the PV product): the last tile of a range is shifted back to
   end at the range's end, and the columns it shares with the previous tile are masked (rows
-  before 0 are zero-filled by TMA). ``DEVICE_DESC`` instead builds per-CTA descriptors whose
-  row count is the sequence length (kept for the A/B);
+  before 0 are zero-filled by TMA);
 - the causal / window / duplicate-column mask is applied only on tiles that need it.
 
-Grid: (cdiv(S, NUM_WG * 64), B * N), longest causal tiles first. Gluon has no interpreter:
+Measured and not kept (``benchmarks/results/prefill_gluon_ab{1,2}_h200.json``): FA3's explicit
+intra-warpgroup overlap (softmax of tile j during PV of j-1) and inter-warpgroup ping-pong
+(4-10% slower), per-CTA device-side descriptors bounded by the sequence length (slower in 4 of
+6 shapes), three consumer warpgroups with BLOCK_N 64 (within noise), BLOCK_N 32 at H = 256.
+
+Grid: (cdiv(S, 128), B * N), longest causal tiles first. Gluon has no interpreter:
 the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
 (``tests/test_sass.py``).
 """
@@ -45,51 +48,35 @@ def _softcap_log2(qk, qk_scale, softcap_mult):
 
 
 @gluon.jit
-def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr, SHIFT_LAST: gl.constexpr):
-    """First key row of tile j; with SHIFT_LAST the last tile ends at kv_hi (may start < 0)."""
-    start = kv_lo + j * BLOCK_N
-    if SHIFT_LAST:
-        start = gl.where(j == n_tiles - 1, kv_hi - BLOCK_N, start)
-    return start
+def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
+    """First key row of tile j; the last tile ends at kv_hi (it may start before 0: TMA
+    zero-fills those rows)."""
+    return gl.where(j == n_tiles - 1, kv_hi - BLOCK_N, kv_lo + j * BLOCK_N)
 
 
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, k_base, v_base, total_len, stride_kc, stride_vc, b, kvh, q_row,
-    q_col, kv_lo, kv_hi, n_tiles, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-    DEVICE_DESC: gl.constexpr,
+    q_desc, k_desc, v_desc, b, kvh, q_row, q_col, kv_lo, kv_hi, n_tiles,
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One warp: the Q tiles once, then K/V tile j into slot j % STAGES once every consumer
+    """One warp: both Q tiles once, then K/V tile j into slot j % STAGES once both consumers
     released the slot's previous tile."""
-    mbarrier.expect(q_bar, NUM_WG * q_desc.block_type.nbytes)
-    for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS_PER_WG, q_col], q_bar,
-                                        q_smem.index(w))  # fmt: skip
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, q_col], q_bar, q_smem.index(1))
     tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
-    if DEVICE_DESC:  # rows >= total_len read as zeros
-        kv_rows = gl.maximum(total_len, 1)
-        k_dev = tma.make_tensor_descriptor(k_base, shape=[kv_rows, HEAD], strides=[stride_kc, 1],
-                                           block_shape=[BLOCK_N, HEAD], layout=k_smem.layout)  # fmt: skip
-        v_dev = tma.make_tensor_descriptor(v_base, shape=[kv_rows, HEAD], strides=[stride_vc, 1],
-                                           block_shape=[BLOCK_N, HEAD], layout=v_smem.layout)  # fmt: skip
     for j in range(n_tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # a fresh barrier passes at once
-        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N, not DEVICE_DESC)
+        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         mbarrier.expect(k_ready.index(slot), tile_bytes)
         mbarrier.expect(v_ready.index(slot), tile_bytes)
-        if DEVICE_DESC:
-            tma.async_copy_global_to_shared(k_dev, [start, 0], k_ready.index(slot),
-                                            k_smem.index(slot))  # fmt: skip
-            tma.async_copy_global_to_shared(v_dev, [start, 0], v_ready.index(slot),
-                                            v_smem.index(slot))  # fmt: skip
-        else:
-            k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
-            v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
-            tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot), k_dst)
-            tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot), v_dst)
+        k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
+        v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot), k_dst)
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot), v_dst)
 
 
 @gluon.jit
@@ -127,7 +114,7 @@ def _consumer(
     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
-    SINK_FROM_PTR: gl.constexpr, DEVICE_DESC: gl.constexpr,
+    SINK_FROM_PTR: gl.constexpr,
 ):  # fmt: skip
     """Rows [m0 + 64 WG, m0 + 64 WG + 64) of the CTA's tile: online softmax over every K/V
     tile the producer delivers, then the normalized rows to ``o_ptr``."""
@@ -155,7 +142,7 @@ def _consumer(
     for j in range(n_tiles):
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N, not DEVICE_DESC)
+        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         mbarrier.wait(k_ready.index(slot), phase)
         qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
@@ -205,20 +192,12 @@ def gqa_prefill_gluon_kernel(
     q_desc,  # [B * S, N * HEAD] rotated Q (contiguous, dot dtype), block [64, HEAD]
     k_desc,  # [B, KV, C, HEAD] cache (dot dtype), block [1, 1, BLOCK_N, HEAD]
     v_desc,
-    k_ptr,  # the caches' base pointers (DEVICE_DESC)
-    v_ptr,
     o_ptr,  # [B, S, N * HEAD] output (stride 1 along the last axis)
     seqlens_ptr,  # [B] int32, total_len - 1
     sink_ptr,  # [N]
     max_total,
     seq_len,
     window,
-    stride_kb,
-    stride_kh,
-    stride_kc,
-    stride_vb,
-    stride_vh,
-    stride_vc,
     stride_ob,
     stride_os,
     qk_scale,  # scale * log2(e), or scale / softcap with softcap
@@ -228,16 +207,14 @@ def gqa_prefill_gluon_kernel(
     HEAD: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
-    NUM_WG: gl.constexpr,  # consumer warpgroups: 2 or 3
     IS_FIRST_PROMPT: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
     HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr,
-    DEVICE_DESC: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = NUM_WG * ROWS_PER_WG
+    BLOCK_M: gl.constexpr = 2 * ROWS_PER_WG
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest causal tiles first
     pid_bn = gl.program_id(1)
     b = pid_bn // NUM_HEADS
@@ -263,7 +240,7 @@ def gqa_prefill_gluon_kernel(
 
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS_PER_WG, HEAD], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS_PER_WG, HEAD], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -274,57 +251,25 @@ def gqa_prefill_gluon_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_WG)  # every consumer releases a slot
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
 
-    k_base = k_ptr + b.to(gl.int64) * stride_kb + kvh.to(gl.int64) * stride_kh
-    v_base = v_ptr + b.to(gl.int64) * stride_vb + kvh.to(gl.int64) * stride_vh
     q_row = b * seq_len + m0
     # fmt: off
-    if NUM_WG == 3:
-        gl.warp_specialize(
-            [
-                (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset,
-                             rows_valid, seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale,
-                             softcap_mult, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                             HAS_SINK, SINK_FROM_PTR, DEVICE_DESC)),
-                (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset,
-                             rows_valid, seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale,
-                             softcap_mult, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                             HAS_SINK, SINK_FROM_PTR, DEVICE_DESC)),
-                (_consumer, (2, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset,
-                             rows_valid, seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale,
-                             softcap_mult, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                             HAS_SINK, SINK_FROM_PTR, DEVICE_DESC)),
-                (_producer, (q_desc, k_desc, v_desc, k_base, v_base, total_len, stride_kc,
-                             stride_vc, b, kvh, q_row, n * HEAD, kv_lo, kv_hi, n_tiles, q_smem,
-                             k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
-                             STAGES, NUM_WG, DEVICE_DESC)),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, 24],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset,
-                             rows_valid, seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale,
-                             softcap_mult, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                             HAS_SINK, SINK_FROM_PTR, DEVICE_DESC)),
-                (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset,
-                             rows_valid, seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale,
-                             softcap_mult, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-                             HAS_SINK, SINK_FROM_PTR, DEVICE_DESC)),
-                (_producer, (q_desc, k_desc, v_desc, k_base, v_base, total_len, stride_kc,
-                             stride_vc, b, kvh, q_row, n * HEAD, kv_lo, kv_hi, n_tiles, q_smem,
-                             k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
-                             STAGES, NUM_WG, DEVICE_DESC)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )
+    gl.warp_specialize(
+        [
+            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
+                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
+                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
+                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
+                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_producer, (q_desc, k_desc, v_desc, b, kvh, q_row, n * HEAD, kv_lo, kv_hi, n_tiles,
+                         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD,
+                         BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
     # fmt: on
