@@ -266,6 +266,9 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
+    q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
+    while cfg["STAGES"] > 1 and q_bytes + cfg["STAGES"] * stage_bytes > 232448 - 2048:
+        cfg["STAGES"] -= 1  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
     q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
