@@ -23,18 +23,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_gqa as bg  # noqa: E402
 from _harness import gpu_meta  # noqa: E402
+from longattn.gqa.triton import launch  # noqa: E402
 from longattn.gqa.triton.prefill import prefill_config  # noqa: E402
+
+
+def _gl(**kw) -> dict:
+    return dict(_GLUON=True, **kw)
 
 
 def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
+    # the Gluon kernel (prefill_gluon.py): two consumer warpgroups + a TMA producer warp
+    out += [("gluon", _gl())]
     if h == 128:
-        out += [("tma_st2", dict(base, USE_DESC=True, num_stages=2)),
-                ("tma_bn64", dict(base, USE_DESC=True, BLOCK_N=64))]  # fmt: skip
-    else:
-        out += [("tma_bn32", dict(base, USE_DESC=True, BLOCK_N=32, num_stages=3))]
+        out += [("gluon_st3", _gl(STAGES=3)), ("gluon_bn64_st3", _gl(BLOCK_N=64, STAGES=3))]
     return out
+
+
+def _fn(p, cfg):
+    if cfg.get("_GLUON"):
+        g_cfg = {k: v for k, v in cfg.items() if k != "_GLUON"}
+        return lambda q_rot, pk, pv, sl, out: launch.run_prefill_gluon(q_rot, pk, pv, sl, p, out,
+                                                                       g_cfg)  # fmt: skip
+    return bg._prefill_attn_fn(p, cfg)
 
 
 def main(argv=None):
@@ -53,14 +65,14 @@ def main(argv=None):
                 q_rot, pk, pv, sl, out = asets[0]
                 out.fill_(float("nan"))
                 try:
-                    bg._prefill_attn_fn(p, cfg)(q_rot, pk, pv, sl, out)
+                    _fn(p, cfg)(q_rot, pk, pv, sl, out)
                     torch.cuda.synchronize()
                 except Exception as exc:  # e.g. shared memory
                     print(f"  {h} {s} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                     continue
                 o = out.float().clone()
                 ref = o if ref is None else ref
-                us = bg._time_or_none(bg._prefill_attn_fn(p, cfg), asets, s >= 32768)
+                us = bg._time_or_none(_fn(p, cfg), asets, s >= 32768)
                 row = dict(H=h, S=s, B=b, variant=name, cfg=str(cfg), us=us,
                            TFLOPs=flops / (us * 1e-6) / 1e12 if us else None,
                            maxdiff_vs_base=(o - ref).abs().max().item(),

@@ -54,7 +54,11 @@ def compile_sass(
         sig[name] = types.get(name) or ("*fp32" if name.endswith("_ptr") else "i32")
         if name.endswith("_ptr") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = ASTSource
+    src = source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         opts["maxnreg"] = maxnreg
@@ -111,6 +115,7 @@ def memory_ops(sass: str) -> Counter:
 def _presets(cache: str):
     from longattn.gqa.triton.decode import gqa_decode_split_kernel
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
+    from longattn.gqa.triton.prefill_gluon import gqa_prefill_gluon_kernel
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
     from longattn.sparse.triton.decode import dsa_split_kernel
     from longattn.sparse.triton.indexer import indexer_score_kernel
@@ -128,6 +133,12 @@ def _presets(cache: str):
         "gqa-prefill": (gqa_prefill_kernel, attn_types,
                         dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_M=128, BLOCK_N=128,
                              HAS_SINK=False, SINK_FROM_PTR=False, USE_DESC=False, **flags), 8, 3),
+        "gqa-prefill-gluon": (gqa_prefill_gluon_kernel,
+                              {**attn_types, "sink_ptr": "*bf16", "max_total": "i32"},
+                              dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_N=128, STAGES=2,
+                                   IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
+                                   HAS_SINK=False, SINK_FROM_PTR=False,
+                                   CONSUMER_REGS=240), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
@@ -171,7 +182,7 @@ def _value(text: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-decode", "dsa-decode", "rms", "indexer-score",
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-prefill-gluon", "gqa-decode", "dsa-decode", "rms", "indexer-score",
                                        "indexer-select"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
@@ -188,14 +199,28 @@ def main(argv=None):
         elem = types["k_ptr"].lstrip("*")
         types = dict(types, **{f"{n}_desc": f"tensordesc<{elem}[1, 1, {ce['BLOCK_N']}, "
                                             f"{ce['HEAD']}]>" for n in ("k", "v")})  # fmt: skip
+    maxnreg = args.maxnreg
+    if args.kernel == "gqa-prefill-gluon":  # Q arrives as a Gluon descriptor; 168 regs at launch
+        from triton.experimental.gluon import language as gl
+
+        h, bn = ce["HEAD"], ce["BLOCK_N"]
+        q_layout = gl.NVMMASharedLayout.get_default_for([64, h], gl.bfloat16)
+        kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gl.bfloat16)
+        kv_type = f"tensordesc<bf16[1, 1, {bn}, {h}],{kv_layout!r}>"
+        types = dict(types, q_desc=f"tensordesc<bf16[64, {h}],{q_layout!r}>", k_desc=kv_type,
+                     v_desc=kv_type)  # fmt: skip
+        maxnreg = maxnreg or 168
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
-                       num_stages=args.stages or stages, maxnreg=args.maxnreg)  # fmt: skip
+                       num_stages=args.stages or stages, maxnreg=maxnreg)  # fmt: skip
     hist = histogram(res["sass"])
     if args.json:
         print(
             json.dumps(
                 dict(
                     total=sum(hist.values()),
+                    hist=hist,
+                    regs=res["regs"],
+                    stack=res["stack"],
                     shared=res["shared"],
                     memory=memory_ops(res["sass"]),
                     loops=loops(res["sass"]),

@@ -427,12 +427,21 @@ def test_gqa_triton_gpu(name, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [k for k in GPU_CASES if k.startswith("prefill-")])
+def test_gqa_triton_prefill_without_gluon_gpu(name, device, monkeypatch):
+    """The Triton prefill kernel on the cases the Gluon kernel takes by default on sm_90."""
+    monkeypatch.setenv("LONGATTN_DISABLE_GLUON", "1")
+    _run_and_check(GPU_CASES[name], device)
+
+
+@pytest.mark.gpu
 def test_prefill_tma_matches_pointer_path(device, monkeypatch):
     """sm_90+: the TMA middle range and the per-thread-copy kernel compute the same sums in the
     same order (bit-identical outputs); the cache rows past each sequence hold NaN, so a masked
     tile that read them through TMA would show."""
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("TMA descriptors need sm_90+")
+    monkeypatch.setenv("LONGATTN_DISABLE_GLUON", "1")  # both runs on the Triton kernel
     c = Case(b=2, s=700, lens=(1500, 611), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16, window=400)  # fmt: skip
     query, key, value, pk, pv, seqlens, p = _build(c, device)
@@ -443,6 +452,31 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
     ptr = gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
     assert bool(torch.isfinite(tma).all())
     torch.testing.assert_close(tma, ptr, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["prefill-first-bf16-h64", "prefill-first-bf16-h128-4k",
+                                  "prefill-first-bf16-h256-window-softcap",
+                                  "prefill-past-bf16-h128-sink-qknorm",
+                                  "prefill-first-fp16-h128-odd"])  # fmt: skip
+@pytest.mark.parametrize("variant", ["default", "bn64_st3"])
+def test_prefill_gluon_gpu(name, variant, device):
+    """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
+    past each sequence hold NaN (no tile may read them: 0 * NaN would poison P.V)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon prefill is built for sm_90")
+    c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
+    over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3))[variant]
+    q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
+    out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    assert launch.prefill_gluon_fits(p, q_rot, pk, pv, out, None)
+    orig = launch.prefill_gluon_config
+    try:
+        launch.prefill_gluon_config = lambda h: dict(orig(h), **over)
+        _run_and_check(c, device)
+    finally:
+        launch.prefill_gluon_config = orig
 
 
 @pytest.mark.gpu

@@ -86,3 +86,16 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
     unmasked = min(loops, key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
     assert unmasked.get("HGMMA", 0) > 0, unmasked
     assert unmasked["FMUL"] <= 70 and 64 <= unmasked["FFMA"] <= 70, unmasked
+
+
+@pytest.mark.parametrize("shape", ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64"])
+def test_prefill_gluon_compiles_warp_specialized(shape):
+    """The Gluon prefill (no interpreter exists for it) compiles for sm_90 as designed: 168
+    registers at launch with setmaxnreg partitions, no spills, K/V/Q by TMA only (no per-thread
+    global loads but the seqlens/sink scalars)."""
+    res = _sass("gqa-prefill-gluon", "--set", shape)
+    hist = res["hist"]
+    assert res["regs"] == 168 and res["stack"] == 0, res
+    assert hist.get("USETMAXREG", 0) >= 2 and hist.get("UTMALDG", 0) >= 4, hist
+    assert hist.get("HGMMA", 0) > 0 and "LDGSTS" not in hist, hist
+    assert res["memory"].get("LDG.E", 0) <= 2 and "LDL" not in str(res["memory"]), res["memory"]

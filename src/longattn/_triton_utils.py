@@ -75,6 +75,25 @@ def pdl_enabled(device: torch.device) -> bool:
     return _hopper_feature_on(device, "LONGATTN_DISABLE_PDL")
 
 
+@functools.cache
+def _gluon_hopper_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gluon_hopper_enabled(device: torch.device) -> bool:
+    """Whether the Gluon sm_90 kernels may run on ``device``: CUDA capability exactly 9.x (their
+    wgmma / setmaxnreg code is sm_90a-only), compiled kernels, a triton with Gluon's Hopper
+    module, and ``LONGATTN_DISABLE_GLUON`` unset (read per call)."""
+    if not _hopper_feature_on(device, "LONGATTN_DISABLE_GLUON"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return cuda_capability(index)[0] == 9 and _gluon_hopper_available()
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """Whether ``t`` can back a TMA tensor descriptor here: CUDA sm_90+, not the interpreter,
     ``LONGATTN_DISABLE_TMA`` unset (read per call), 16-byte aligned base and strides (the last

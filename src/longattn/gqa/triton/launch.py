@@ -16,7 +16,7 @@ import torch
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, tma_ok
+from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -226,8 +226,91 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int):
                             [1, 1, block_n, cache.shape[3]])  # fmt: skip
 
 
+def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_scale) -> bool:
+    """The case the Gluon (sm_90, warp-specialized) prefill covers: 16-bit caches in the dot
+    dtype, head size 64/128/256, no bias, no per-row Q scale, TMA-able operands."""
+    h = q_rot.shape[-1]
+    return (
+        gluon_hopper_enabled(q_rot.device)
+        and q_rot.dtype in (torch.float16, torch.bfloat16)
+        and h in (64, 128, 256)
+        and present_key.dtype == q_rot.dtype
+        and present_value.dtype == q_rot.dtype
+        and p.attention_bias is None
+        and q_scale is None
+        and q_rot.is_contiguous()
+        and out.stride(-1) == 1
+        and tma_ok(q_rot)
+        and tma_ok(present_key)
+        and tma_ok(present_value)
+    )
+
+
+def prefill_gluon_config(head: int) -> dict:
+    """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
+    STAGES; two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
+    warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
+    consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
+    bn = 64 if head > 128 else 128
+    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168)
+
+
+def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
+    """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): grid
+    (cdiv(S, 128), B * N); two consumer warpgroups and a TMA producer warp per CTA."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .prefill_gluon import ROWS_PER_WG, gqa_prefill_gluon_kernel
+
+    b, s, n, h = q_rot.shape
+    cfg = dict(prefill_gluon_config(h), **(cfg or {}))
+    rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
+    q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
+    while cfg["STAGES"] > 1 and q_bytes + cfg["STAGES"] * stage_bytes > 232448 - 2048:
+        cfg["STAGES"] -= 1  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
+    gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
+    q2 = q_rot.view(b * s, n * h)
+    q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
+                             gl.NVMMASharedLayout.get_default_for([rows, h], gdt))  # fmt: skip
+    kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gdt)
+    k_desc, v_desc = (GluonDescriptor(c, list(c.shape), list(c.stride()), [1, 1, bn, h],
+                                      kv_layout) for c in (present_key, present_value))  # fmt: skip
+    qk_scale, softcap_mult = _logit_scalars(p)
+    gqa_prefill_gluon_kernel[(cdiv(s, 2 * rows), b * n)](
+        q_desc,
+        k_desc,
+        v_desc,
+        out,
+        seqlens_k,
+        p.head_sink if p.head_sink is not None else q_rot,
+        p.total_sequence_length,
+        s,
+        max(p.local_window_size, 0),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        softcap_mult,
+        NUM_HEADS=n,
+        GROUP=p.group,
+        HEAD=h,
+        IS_FIRST_PROMPT=p.is_first_prompt,
+        HAS_WINDOW=p.local_window_size > 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_SINK=p.head_sink is not None or p.smooth_softmax,
+        SINK_FROM_PTR=p.head_sink is not None,
+        num_warps=4,
+        **cfg,
+    )
+
+
 def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, q_scale=None):
-    """Flash attention of every new row: grid (cdiv(S, BLOCK_M), B * N)."""
+    """Flash attention of every new row: the Gluon warp-specialized kernel where it fits (sm_90,
+    ``prefill_gluon_fits``, no explicit ``cfg``), else the Triton kernel with grid
+    (cdiv(S, BLOCK_M), B * N)."""
+    if cfg is None and prefill_gluon_fits(p, q_rot, present_key, present_value, out, q_scale):
+        run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out)
+        return
     b, s = q_rot.shape[:2]
     bias = p.attention_bias
     if cfg is None:
@@ -397,6 +480,8 @@ def gqa_triton(
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
                    q_scale)  # fmt: skip
+    elif path == "prefill_gluon":
+        run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:
         run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg, q_scale)
     return out

@@ -1,0 +1,275 @@
+"""Warp-specialized GQA prefill for sm_90 in Gluon (triton.experimental.gluon).
+
+Same math as ``prefill.gqa_prefill_kernel`` for the plain case (16-bit cache in the dot dtype,
+no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on Hopper:
+
+- one CTA owns 128 query rows of one head; three partitions share it: two consumer
+  warpgroups (64 rows each: QK^T wgmma, softmax, PV wgmma with P from registers) and one
+  producer warp that issues every TMA load (both Q tiles once, then K and V tiles into a ring
+  of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The consumers run
+  independently, so the warp schedulers overlap one warpgroup's softmax with the other's
+  GEMMs;
+- no tile reads a cache row at or past the sequence's length (those rows may hold NaN
+  garbage; 0 * NaN would poison the PV product): the last tile of a range is shifted back to
+  end at the range's end, and the columns it shares with the previous tile are masked (rows
+  before 0 are zero-filled by TMA);
+- the causal / window / duplicate-column mask is applied only on tiles that need it.
+
+Measured and not kept (``benchmarks/results/prefill_gluon_ab{1,2}_h200.json``): FA3's explicit
+intra-warpgroup overlap (softmax of tile j during PV of j-1) and inter-warpgroup ping-pong
+(4-10% slower), per-CTA device-side descriptors bounded by the sequence length (slower in 4 of
+6 shapes), three consumer warpgroups with BLOCK_N 64 (within noise), BLOCK_N 32 at H = 256.
+
+Grid: (cdiv(S, 128), B * N), longest causal tiles first. Gluon has no interpreter:
+the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
+(``tests/test_sass.py``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+ROWS_PER_WG = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma M = 64, 4 warps)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _softcap_log2(qk, qk_scale, softcap_mult):
+    """``softcap_mult * tanh(qk * qk_scale)`` (log2 domain), as ``_core.softcap_log2``."""
+    e = gl.exp2(qk * (qk_scale * 2.8853900817779268))
+    return softcap_mult - (2.0 * softcap_mult) / (e + 1.0)
+
+
+@gluon.jit
+def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
+    """First key row of tile j; the last tile ends at kv_hi (it may start before 0: TMA
+    zero-fills those rows)."""
+    return gl.where(j == n_tiles - 1, kv_hi - BLOCK_N, kv_lo + j * BLOCK_N)
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, b, kvh, q_row, q_col, kv_lo, kv_hi, n_tiles,
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """One warp: both Q tiles once, then K/V tile j into slot j % STAGES once both consumers
+    released the slot's previous tile."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, q_col], q_bar, q_smem.index(1))
+    tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # a fresh barrier passes at once
+        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+        mbarrier.expect(k_ready.index(slot), tile_bytes)
+        mbarrier.expect(v_ready.index(slot), tile_bytes)
+        k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
+        v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot), k_dst)
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot), v_dst)
+
+
+@gluon.jit
+def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, last,
+            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr,
+            HAS_SOFTCAP: gl.constexpr):  # fmt: skip
+    """Masked logits of one tile as ``(s [64, BLOCK_N] fp32, unit)``; ``s * unit`` is the
+    log2-domain logit (-inf where hidden). Keys ``< lo`` (the part of a shifted last tile that
+    the previous tile covered) are hidden too. The mask is built only on the last tile, tiles
+    crossing the diagonal of rows [r_lo, r_hi], and tiles below the window's edge."""
+    if HAS_SOFTCAP:
+        s = _softcap_log2(qk, qk_scale, softcap_mult)
+        unit = 1.0
+    else:
+        s = qk
+        unit = qk_scale
+    need = last | (start + BLOCK_N - 1 > r_lo)
+    if HAS_WINDOW:
+        need = need | (start <= r_hi - window)
+    if need:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols = gl.expand_dims(offs_n, 0)  # [1, BLOCK_N]
+        rows = gl.expand_dims(qpos, 1)  # [64, 1]
+        mask = (cols <= rows) & (cols >= lo)
+        if HAS_WINDOW:
+            mask = mask & (cols > rows - window)
+        s = gl.where(mask, s, float("-inf"))
+    return s, unit
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+    seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
+    SINK_FROM_PTR: gl.constexpr,
+):  # fmt: skip
+    """Rows [m0 + 64 WG, m0 + 64 WG + 64) of the CTA's tile: online softmax over every K/V
+    tile the producer delivers, then the normalized rows to ``o_ptr``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = k_smem.dtype
+
+    r0 = m0 + WG * ROWS_PER_WG
+    qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+    r_lo = offset + r0
+    r_hi = offset + r0 + ROWS_PER_WG - 1
+    q = q_smem.index(WG)  # [64, HEAD] shared
+    acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=o_layout)  # [64, HEAD]
+    m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
+    s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+        mbarrier.wait(k_ready.index(slot), phase)
+        qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
+        s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
+                          softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
+                          HAS_SOFTCAP)  # fmt: skip
+        m_new = gl.maximum(m_i, gl.max(s, 1) * unit)  # [64]
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)  # registers: the wgmma A operand
+        mbarrier.wait(v_ready.index(slot), phase)
+        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
+        else:
+            sink2 = 0.0
+        m_f = gl.maximum(m_i, sink2)
+        alpha = gl.exp2(m_i - m_f)
+        l_i = l_i * alpha + gl.exp2(sink2 - m_f)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    inv = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [64]
+    acc = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+    rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
+    acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> zeros
+    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (
+        o_ptr
+        + b.to(gl.int64) * stride_ob
+        + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+        + n * HEAD
+        + gl.expand_dims(cols, 0)
+    )
+    gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < seq_len, 1))
+
+
+@gluon.jit
+def gqa_prefill_gluon_kernel(
+    q_desc,  # [B * S, N * HEAD] rotated Q (contiguous, dot dtype), block [64, HEAD]
+    k_desc,  # [B, KV, C, HEAD] cache (dot dtype), block [1, 1, BLOCK_N, HEAD]
+    v_desc,
+    o_ptr,  # [B, S, N * HEAD] output (stride 1 along the last axis)
+    seqlens_ptr,  # [B] int32, total_len - 1
+    sink_ptr,  # [N]
+    max_total,
+    seq_len,
+    window,
+    stride_ob,
+    stride_os,
+    qk_scale,  # scale * log2(e), or scale / softcap with softcap
+    softcap_mult,
+    NUM_HEADS: gl.constexpr,
+    GROUP: gl.constexpr,
+    HEAD: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    SINK_FROM_PTR: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * ROWS_PER_WG
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest causal tiles first
+    pid_bn = gl.program_id(1)
+    b = pid_bn // NUM_HEADS
+    n = pid_bn % NUM_HEADS
+    kvh = n // GROUP
+    t = gl.load(seqlens_ptr + b) + 1
+    total_len = gl.minimum(gl.maximum(t, 0), max_total)
+    if IS_FIRST_PROMPT:
+        offset = 0
+        rows_valid = gl.minimum(seq_len, total_len)  # rows >= total_len are right padding
+    else:
+        offset = total_len - seq_len
+        rows_valid = seq_len
+    m0 = pid_m * BLOCK_M
+    q_lo = offset + m0
+    q_hi = offset + gl.minimum(m0 + BLOCK_M, rows_valid) - 1
+    kv_hi = gl.where(m0 < rows_valid, gl.minimum(q_hi + 1, total_len), 0)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = gl.maximum(q_lo - window + 1, 0)
+    kv_lo = gl.minimum(kv_lo, kv_hi)
+    n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+
+    dtype: gl.constexpr = q_desc.dtype
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS_PER_WG, HEAD], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+
+    q_row = b * seq_len + m0
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
+                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
+                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
+                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
+                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
+                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_producer, (q_desc, k_desc, v_desc, b, kvh, q_row, n * HEAD, kv_lo, kv_hi, n_tiles,
+                         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD,
+                         BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )
+    # fmt: on
