@@ -98,4 +98,5 @@ def test_prefill_gluon_compiles_warp_specialized(shape):
     assert res["regs"] == 168 and res["stack"] == 0, res
     assert hist.get("USETMAXREG", 0) >= 2 and hist.get("UTMALDG", 0) >= 4, hist
     assert hist.get("HGMMA", 0) > 0 and "LDGSTS" not in hist, hist
-    assert res["memory"].get("LDG.E", 0) <= 2 and "LDL" not in str(res["memory"]), res["memory"]
+    # LDG.E: each partition's seqlens scalar
+    assert res["memory"].get("LDG.E", 0) <= 3 and "LDL" not in str(res["memory"]), res["memory"]

@@ -252,12 +252,13 @@ def prefill_gluon_config(head: int) -> dict:
     warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
     consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
     bn = 64 if head > 128 else 128
-    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168)
+    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168, PERSISTENT=True)
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
-    """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): grid
-    (cdiv(S, 128), B * N); two consumer warpgroups and a TMA producer warp per CTA."""
+    """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): work items of
+    128 rows of one head, cdiv(S, 128) * B * N of them; grid: one CTA per SM (PERSISTENT) or
+    one per item. Two consumer warpgroups and a TMA producer warp per CTA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -277,7 +278,9 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     k_desc, v_desc = (GluonDescriptor(c, list(c.shape), list(c.stride()), [1, 1, bn, h],
                                       kv_layout) for c in (present_key, present_value))  # fmt: skip
     qk_scale, softcap_mult = _logit_scalars(p)
-    gqa_prefill_gluon_kernel[(cdiv(s, 2 * rows), b * n)](
+    items = cdiv(s, 2 * rows) * b * n
+    grid = min(items, _num_sms(q_rot.device.index or 0)) if cfg.pop("PERSISTENT") else items
+    gqa_prefill_gluon_kernel[(grid,)](
         q_desc,
         k_desc,
         v_desc,
@@ -287,6 +290,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         p.total_sequence_length,
         s,
         max(p.local_window_size, 0),
+        b * n,
         out.stride(0),
         out.stride(1),
         qk_scale,

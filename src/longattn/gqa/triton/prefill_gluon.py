@@ -3,12 +3,15 @@
 Same math as ``prefill.gqa_prefill_kernel`` for the plain case (16-bit cache in the dot dtype,
 no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on Hopper:
 
-- one CTA owns 128 query rows of one head; three partitions share it: two consumer
+- a work item is 128 query rows of one head; three partitions share a CTA: two consumer
   warpgroups (64 rows each: QK^T wgmma, softmax, PV wgmma with P from registers) and one
-  producer warp that issues every TMA load (both Q tiles once, then K and V tiles into a ring
-  of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The consumers run
-  independently, so the warp schedulers overlap one warpgroup's softmax with the other's
-  GEMMs;
+  producer warp that issues every TMA load (a work item's two Q tiles, then its K and V tiles
+  into a ring of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The
+  consumers run independently, so the warp schedulers overlap one warpgroup's softmax with the
+  other's GEMMs;
+- persistent: CTA c takes work items c, c + G, ... (G = the grid size), heaviest causal row
+  blocks first; the producer loads the next item's Q and K/V while the consumers finish the
+  current one (a grid of one CTA per item is the non-persistent kernel);
 - no tile reads a cache row at or past the sequence's length (those rows may hold NaN
   garbage; 0 * NaN would poison the PV product): the last tile of a range is shifted back to
   end at the range's end, and the columns it shares with the previous tile are masked (rows
@@ -20,7 +23,7 @@ intra-warpgroup overlap (softmax of tile j during PV of j-1) and inter-warpgroup
 (4-10% slower), per-CTA device-side descriptors bounded by the sequence length (slower in 4 of
 6 shapes), three consumer warpgroups with BLOCK_N 64 (within noise), BLOCK_N 32 at H = 256.
 
-Grid: (cdiv(S, 128), B * N), longest causal tiles first. Gluon has no interpreter:
+Grid: (G,) with G <= cdiv(S, 128) * B * N. Gluon has no interpreter:
 the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
 (``tests/test_sass.py``).
 """
@@ -48,6 +51,38 @@ def _softcap_log2(qk, qk_scale, softcap_mult):
 
 
 @gluon.jit
+def _work(w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window,
+          NUM_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
+          HAS_WINDOW: gl.constexpr):  # fmt: skip
+    """Work item ``w`` as (b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles): rows
+    [m0, m0 + 128) of head n of sequence b against keys [kv_lo, kv_hi), n_tiles tiles. Items
+    go heaviest causal row block first: every (b, n) of the last row block, then the one
+    before, ... (n_bn = B * N, n_m = cdiv(S, 128))."""
+    pid_m = n_m - 1 - w // n_bn
+    pid_bn = w % n_bn
+    b = pid_bn // NUM_HEADS
+    n = pid_bn % NUM_HEADS
+    t = gl.load(seqlens_ptr + b) + 1
+    total_len = gl.minimum(gl.maximum(t, 0), max_total)
+    if IS_FIRST_PROMPT:
+        offset = 0
+        rows_valid = gl.minimum(seq_len, total_len)  # rows >= total_len are right padding
+    else:
+        offset = total_len - seq_len
+        rows_valid = seq_len
+    m0 = pid_m * (2 * ROWS_PER_WG)
+    q_lo = offset + m0
+    q_hi = offset + gl.minimum(m0 + 2 * ROWS_PER_WG, rows_valid) - 1
+    kv_hi = gl.where(m0 < rows_valid, gl.minimum(q_hi + 1, total_len), 0)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = gl.maximum(q_lo - window + 1, 0)
+    kv_lo = gl.minimum(kv_lo, kv_hi)
+    n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    return b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles
+
+
+@gluon.jit
 def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
     """First key row of tile j; the last tile ends at kv_hi (it may start before 0: TMA
     zero-fills those rows)."""
@@ -56,27 +91,43 @@ def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, b, kvh, q_row, q_col, kv_lo, kv_hi, n_tiles,
-    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn, n_m, q_smem, k_smem,
+    v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
 ):  # fmt: skip
-    """One warp: both Q tiles once, then K/V tile j into slot j % STAGES once both consumers
-    released the slot's previous tile."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, q_col], q_bar, q_smem.index(1))
+    """One warp: per work item, its two Q tiles (once both consumers released the previous
+    item's), then K/V tile j into ring slot ``it % STAGES`` (``it`` counts tiles across
+    items) once both consumers released the slot's previous tile."""
     tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
-    for j in range(n_tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # a fresh barrier passes at once
-        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-        mbarrier.expect(k_ready.index(slot), tile_bytes)
-        mbarrier.expect(v_ready.index(slot), tile_bytes)
-        k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
-        v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot), k_dst)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot), v_dst)
+    it = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
+        b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
+            w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
+            IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+        kvh = n // GROUP
+        q_row = b * seq_len + m0
+        mbarrier.wait(q_empty, (item & 1) ^ 1)  # a fresh barrier passes at once
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, n * HEAD], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, n * HEAD], q_bar,
+                                        q_smem.index(1))  # fmt: skip
+        for j in range(n_tiles):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+            mbarrier.expect(k_ready.index(slot), tile_bytes)
+            mbarrier.expect(v_ready.index(slot), tile_bytes)
+            k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
+            v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot),
+                                            k_dst)  # fmt: skip
+            tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot),
+                                            v_dst)  # fmt: skip
+            it += 1
+        item += 1
 
 
 @gluon.jit
@@ -108,16 +159,14 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
 
 
 @gluon.jit
-def _consumer(
-    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
-    seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
-    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+def _attend(
+    it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
+    softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr,
-    SINK_FROM_PTR: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
-    """Rows [m0 + 64 WG, m0 + 64 WG + 64) of the CTA's tile: online softmax over every K/V
-    tile the producer delivers, then the normalized rows to ``o_ptr``."""
+    """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
+    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -127,21 +176,13 @@ def _consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = k_smem.dtype
-
-    r0 = m0 + WG * ROWS_PER_WG
-    qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-    r_lo = offset + r0
-    r_hi = offset + r0 + ROWS_PER_WG - 1
-    q = q_smem.index(WG)  # [64, HEAD] shared
     acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=o_layout)  # [64, HEAD]
     m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
     for j in range(n_tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
+        slot = it % STAGES
+        phase = (it // STAGES) & 1
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         mbarrier.wait(k_ready.index(slot), phase)
         qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
@@ -157,34 +198,71 @@ def _consumer(
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)  # registers: the wgmma A operand
+        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # registers: wgmma A operand
         mbarrier.wait(v_ready.index(slot), phase)
         acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_empty.index(slot), count=1)
+        it += 1
+    return acc, m_i, l_i, it
 
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
-        else:
-            sink2 = 0.0
-        m_f = gl.maximum(m_i, sink2)
-        alpha = gl.exp2(m_i - m_f)
-        l_i = l_i * alpha + gl.exp2(sink2 - m_f)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    inv = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [64]
-    acc = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
-    rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
-    acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> zeros
-    cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (
-        o_ptr
-        + b.to(gl.int64) * stride_ob
-        + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
-        + n * HEAD
-        + gl.expand_dims(cols, 0)
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total, seq_len,
+    window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem, v_smem, q_bar, q_empty,
+    k_ready, v_ready, kv_empty,
+    NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
+):  # fmt: skip
+    """Per work item, rows [m0 + 64 WG, m0 + 64 WG + 64): the online softmax over its K/V
+    tiles, then the normalized rows to ``o_ptr`` (while the producer loads the next item)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < seq_len, 1))
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+    )
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    it = 0
+    item = 0
+    for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
+        b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
+            w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
+            IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+        r0 = m0 + WG * ROWS_PER_WG
+        qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+        mbarrier.wait(q_bar, item & 1)
+        acc, m_i, l_i, it = _attend(
+            it, q_smem.index(WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1, kv_lo,
+            kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
+            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        mbarrier.arrive(q_empty, count=1)  # this warpgroup's Q tile is free
+        if HAS_SINK:
+            if SINK_FROM_PTR:
+                sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
+            else:
+                sink2 = 0.0
+            m_f = gl.maximum(m_i, sink2)
+            alpha = gl.exp2(m_i - m_f)
+            l_i = l_i * alpha + gl.exp2(sink2 - m_f)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        inv = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [64]
+        acc = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+        rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
+        acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
+        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (
+            o_ptr
+            + b.to(gl.int64) * stride_ob
+            + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+            + n * HEAD
+            + gl.expand_dims(cols, 0)
+        )
+        gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < seq_len, 1))
+        item += 1
 
 
 @gluon.jit
@@ -198,6 +276,7 @@ def gqa_prefill_gluon_kernel(
     max_total,
     seq_len,
     window,
+    n_bn,  # B * N
     stride_ob,
     stride_os,
     qk_scale,  # scale * log2(e), or scale / softcap with softcap
@@ -214,60 +293,40 @@ def gqa_prefill_gluon_kernel(
     SINK_FROM_PTR: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = 2 * ROWS_PER_WG
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest causal tiles first
-    pid_bn = gl.program_id(1)
-    b = pid_bn // NUM_HEADS
-    n = pid_bn % NUM_HEADS
-    kvh = n // GROUP
-    t = gl.load(seqlens_ptr + b) + 1
-    total_len = gl.minimum(gl.maximum(t, 0), max_total)
-    if IS_FIRST_PROMPT:
-        offset = 0
-        rows_valid = gl.minimum(seq_len, total_len)  # rows >= total_len are right padding
-    else:
-        offset = total_len - seq_len
-        rows_valid = seq_len
-    m0 = pid_m * BLOCK_M
-    q_lo = offset + m0
-    q_hi = offset + gl.minimum(m0 + BLOCK_M, rows_valid) - 1
-    kv_hi = gl.where(m0 < rows_valid, gl.minimum(q_hi + 1, total_len), 0)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = gl.maximum(q_lo - window + 1, 0)
-    kv_lo = gl.minimum(kv_lo, kv_hi)
-    n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
-
+    n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS_PER_WG, HEAD], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumers release the Q tiles
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
-
-    q_row = b * seq_len + m0
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
-                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
-                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
-                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
-            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, b, n, m0, offset, rows_valid,
-                         seq_len, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, q_smem,
-                         k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD, BLOCK_N,
-                         STAGES, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
-            (_producer, (q_desc, k_desc, v_desc, b, kvh, q_row, n * HEAD, kv_lo, kv_hi, n_tiles,
-                         q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, HEAD,
-                         BLOCK_N, STAGES)),
+            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
+                         seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
+                         v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
+                         BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
+                         SINK_FROM_PTR)),
+            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
+                         seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
+                         v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
+                         BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
+                         SINK_FROM_PTR)),
+            (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn,
+                         n_m, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES, IS_FIRST_PROMPT,
+                         HAS_WINDOW)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
