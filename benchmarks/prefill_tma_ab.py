@@ -35,7 +35,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
     # the Gluon kernel (prefill_gluon.py): two consumer warpgroups + a TMA producer warp
-    out += [("gluon", _gl()), ("gluon_items", _gl(PERSISTENT=False))]
+    out += [("gluon", _gl()), ("gluon_items", _gl(PERSISTENT=False)),
+            ("gluon_headmajor", _gl(HEAD_MAJOR=True)),
+            ("gluon_items_headmajor", _gl(PERSISTENT=False, HEAD_MAJOR=True))]  # fmt: skip
     if h == 128:
         out += [("gluon_st3", _gl(STAGES=3))]
     return out

@@ -138,7 +138,7 @@ def _presets(cache: str):
                               dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_N=128, STAGES=2,
                                    IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
                                    HAS_SINK=False, SINK_FROM_PTR=False,
-                                   CONSUMER_REGS=240), 4, 1),
+                                   CONSUMER_REGS=240, HEAD_MAJOR=False), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,

@@ -459,7 +459,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
                                   "prefill-first-bf16-h256-window-softcap",
                                   "prefill-past-bf16-h128-sink-qknorm",
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
-@pytest.mark.parametrize("variant", ["default", "bn64_st3", "one_item_per_cta"])
+@pytest.mark.parametrize("variant", ["default", "bn64_st3", "one_item_per_cta", "head_major"])
 def test_prefill_gluon_gpu(name, variant, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
     past each sequence hold NaN (no tile may read them: 0 * NaN would poison P.V)."""
@@ -467,7 +467,8 @@ def test_prefill_gluon_gpu(name, variant, device):
         pytest.skip("the Gluon prefill is built for sm_90")
     c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
     over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3),
-                one_item_per_cta=dict(PERSISTENT=False))[variant]  # fmt: skip
+                one_item_per_cta=dict(PERSISTENT=False),
+                head_major=dict(HEAD_MAJOR=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -252,7 +252,8 @@ def prefill_gluon_config(head: int) -> dict:
     warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
     consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
     bn = 64 if head > 128 else 128
-    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168, PERSISTENT=True)
+    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168, PERSISTENT=True,
+                HEAD_MAJOR=False)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):

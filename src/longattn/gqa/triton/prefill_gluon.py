@@ -53,13 +53,19 @@ def _softcap_log2(qk, qk_scale, softcap_mult):
 @gluon.jit
 def _work(w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window,
           NUM_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
-          HAS_WINDOW: gl.constexpr):  # fmt: skip
+          HAS_WINDOW: gl.constexpr, HEAD_MAJOR: gl.constexpr):  # fmt: skip
     """Work item ``w`` as (b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles): rows
-    [m0, m0 + 128) of head n of sequence b against keys [kv_lo, kv_hi), n_tiles tiles. Items
-    go heaviest causal row block first: every (b, n) of the last row block, then the one
-    before, ... (n_bn = B * N, n_m = cdiv(S, 128))."""
-    pid_m = n_m - 1 - w // n_bn
-    pid_bn = w % n_bn
+    [m0, m0 + 128) of head n of sequence b against keys [kv_lo, kv_hi), n_tiles tiles
+    (n_bn = B * N, n_m = cdiv(S, 128)). Items go heaviest causal row block first: every (b, n)
+    of the last row block, then the one before, ...; HEAD_MAJOR: every row block of (0, 0)
+    heaviest first, then of (0, 1), ... (the launch order of the earlier 2-D grid: CTAs that
+    run together share one head's K/V)."""
+    if HEAD_MAJOR:
+        pid_m = n_m - 1 - w % n_m
+        pid_bn = w // n_m
+    else:
+        pid_m = n_m - 1 - w // n_bn
+        pid_bn = w % n_bn
     b = pid_bn // NUM_HEADS
     n = pid_bn % NUM_HEADS
     t = gl.load(seqlens_ptr + b) + 1
@@ -95,6 +101,7 @@ def _producer(
     v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """One warp: per work item, its two Q tiles (once both consumers released the previous
     item's), then K/V tile j into ring slot ``it % STAGES`` (``it`` counts tiles across
@@ -105,7 +112,7 @@ def _producer(
     for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
         b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
             w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
-            IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+            IS_FIRST_PROMPT, HAS_WINDOW, HEAD_MAJOR)  # fmt: skip
         kvh = n // GROUP
         q_row = b * seq_len + m0
         mbarrier.wait(q_empty, (item & 1) ^ 1)  # a fresh barrier passes at once
@@ -214,7 +221,7 @@ def _consumer(
     k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, HEAD_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """Per work item, rows [m0 + 64 WG, m0 + 64 WG + 64): the online softmax over its K/V
     tiles, then the normalized rows to ``o_ptr`` (while the producer loads the next item)."""
@@ -231,7 +238,7 @@ def _consumer(
     for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
         b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
             w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
-            IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+            IS_FIRST_PROMPT, HAS_WINDOW, HEAD_MAJOR)  # fmt: skip
         r0 = m0 + WG * ROWS_PER_WG
         qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
         mbarrier.wait(q_bar, item & 1)
@@ -292,6 +299,7 @@ def gqa_prefill_gluon_kernel(
     HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    HEAD_MAJOR: gl.constexpr,  # work order (see _work)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -317,16 +325,16 @@ def gqa_prefill_gluon_kernel(
                          seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
                          v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
                          BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR)),
+                         SINK_FROM_PTR, HEAD_MAJOR)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
                          seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
                          v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
                          BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR)),
+                         SINK_FROM_PTR, HEAD_MAJOR)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn,
                          n_m, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES, IS_FIRST_PROMPT,
-                         HAS_WINDOW)),
+                         HAS_WINDOW, HEAD_MAJOR)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
