@@ -1,12 +1,12 @@
-"""Prefill kernel alone: TMA (tensor-descriptor) K/V tiles vs per-thread cp.async (GPU machine).
+"""Prefill kernel alone, same process: the Triton kernel (per-thread copies: base; TMA K/V: tma)
+and the Gluon warp-specialized kernel (gluon*) variants (GPU machine).
 
     PYTHONPATH=src python benchmarks/prefill_tma_ab.py --out $OUT
 
-Causal bf16 first prompt, (N, KV) = (32, 8), B*S = 16K, H in {128, 256}, S in {2K, 8K, 32K}:
-the default launch config with ``USE_DESC`` off (base) and on (tma), plus a few TMA stage /
-tile variants, in one process. Each variant's output is compared with the base output
-(``maxdiff_vs_base``; the two paths compute the same sums in the same order). Writes
-``prefill_tma_ab.json``.
+Causal bf16 first prompt, (N, KV) = (32, 8), B*S = 16K, H in {128, 256}, S in {2K, 8K, 32K}.
+Each variant's output is compared with the base output (``maxdiff_vs_base``: 0 where the two
+kernels compute the same sums in the same order; a BLOCK_N change moves bf16 rounding). Writes
+``prefill_tma_ab.json`` (kept runs: ``benchmarks/results/prefill_{tma,gluon_ab*}_h200.json``).
 """
 
 from __future__ import annotations
