@@ -18,10 +18,11 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
   before 0 are zero-filled by TMA);
 - the causal / window / duplicate-column mask is applied only on tiles that need it.
 
-Measured and not kept (``benchmarks/results/prefill_gluon_ab{1,2}_h200.json``): FA3's explicit
-intra-warpgroup overlap (softmax of tile j during PV of j-1) and inter-warpgroup ping-pong
-(4-10% slower), per-CTA device-side descriptors bounded by the sequence length (slower in 4 of
-6 shapes), three consumer warpgroups with BLOCK_N 64 (within noise), BLOCK_N 32 at H = 256.
+Measured and not kept (``benchmarks/results/prefill_gluon_ab{1,2,3}_h200.json``): FA3's
+explicit intra-warpgroup overlap (softmax of tile j during PV of j-1; 2-9% slower) and
+inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
+sequence length (slower in 5 of 6 shapes), three consumer warpgroups with BLOCK_N 64 (-5 to
++2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%).
 
 Grid: (G,) with G <= cdiv(S, 128) * B * N. Gluon has no interpreter:
 the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
