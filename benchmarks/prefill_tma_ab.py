@@ -39,7 +39,7 @@ def variants(h: int) -> list[tuple[str, dict]]:
             ("gluon_headmajor", _gl(HEAD_MAJOR=True)),
             ("gluon_items_headmajor", _gl(PERSISTENT=False, HEAD_MAJOR=True))]  # fmt: skip
     if h == 128:
-        out += [("gluon_st3", _gl(STAGES=3))]
+        out += [("gluon_qregs", _gl(Q_IN_REGS=True))]
     return out
 
 

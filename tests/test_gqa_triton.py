@@ -459,7 +459,9 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
                                   "prefill-first-bf16-h256-window-softcap",
                                   "prefill-past-bf16-h128-sink-qknorm",
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
-@pytest.mark.parametrize("variant", ["default", "bn64_st3", "one_item_per_cta", "head_major"])
+@pytest.mark.parametrize(
+    "variant", ["default", "bn64_st3", "one_item_per_cta", "head_major", "q_in_regs"]
+)
 def test_prefill_gluon_gpu(name, variant, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
     past each sequence hold NaN (no tile may read them: 0 * NaN would poison P.V)."""
@@ -468,7 +470,7 @@ def test_prefill_gluon_gpu(name, variant, device):
     c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
     over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3),
                 one_item_per_cta=dict(PERSISTENT=False),
-                head_major=dict(HEAD_MAJOR=True))[variant]  # fmt: skip
+                head_major=dict(HEAD_MAJOR=True), q_in_regs=dict(Q_IN_REGS=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

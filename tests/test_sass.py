@@ -88,7 +88,9 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
     assert unmasked["FMUL"] <= 70 and 64 <= unmasked["FFMA"] <= 70, unmasked
 
 
-@pytest.mark.parametrize("shape", ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64"])
+@pytest.mark.parametrize(
+    "shape", ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64", "HEAD=128,BLOCK_N=128,Q_IN_REGS=True"]
+)
 def test_prefill_gluon_compiles_warp_specialized(shape):
     """The Gluon prefill (no interpreter exists for it) compiles for sm_90 as designed: 168
     registers at launch with setmaxnreg partitions, no spills, K/V/Q by TMA only (no per-thread

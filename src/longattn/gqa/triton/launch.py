@@ -253,7 +253,7 @@ def prefill_gluon_config(head: int) -> dict:
     consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168, PERSISTENT=True,
-                HEAD_MAJOR=False)  # fmt: skip
+                HEAD_MAJOR=False, Q_IN_REGS=False)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
@@ -268,6 +268,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
+    cfg["Q_IN_REGS"] = cfg["Q_IN_REGS"] and h <= 128  # at H=256 the register Q spills
     q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
     while cfg["STAGES"] > 1 and q_bytes + cfg["STAGES"] * stage_bytes > 232448 - 2048:
         cfg["STAGES"] -= 1  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)

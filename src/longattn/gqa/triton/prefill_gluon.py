@@ -171,10 +171,12 @@ def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
-    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
+    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
+    Q_IN_REGS: Q is the QK^T wgmma's register A operand (loaded once from its shared tile), so
+    each tile's QK^T reads only K from shared memory."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -188,6 +190,8 @@ def _attend(
     m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    if Q_IN_REGS:
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     for j in range(n_tiles):
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -223,6 +227,7 @@ def _consumer(
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, HEAD_MAJOR: gl.constexpr,
+    Q_IN_REGS: gl.constexpr,
 ):  # fmt: skip
     """Per work item, rows [m0 + 64 WG, m0 + 64 WG + 64): the online softmax over its K/V
     tiles, then the normalized rows to ``o_ptr`` (while the producer loads the next item)."""
@@ -246,7 +251,7 @@ def _consumer(
         acc, m_i, l_i, it = _attend(
             it, q_smem.index(WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1, kv_lo,
             kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
-            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP, Q_IN_REGS)  # fmt: skip
         mbarrier.arrive(q_empty, count=1)  # this warpgroup's Q tile is free
         if HAS_SINK:
             if SINK_FROM_PTR:
@@ -301,6 +306,7 @@ def gqa_prefill_gluon_kernel(
     SINK_FROM_PTR: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     HEAD_MAJOR: gl.constexpr,  # work order (see _work)
+    Q_IN_REGS: gl.constexpr,  # Q as the register A operand of QK^T (see _attend)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -326,12 +332,12 @@ def gqa_prefill_gluon_kernel(
                          seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
                          v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
                          BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR, HEAD_MAJOR)),
+                         SINK_FROM_PTR, HEAD_MAJOR, Q_IN_REGS)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
                          seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
                          v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
                          BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR, HEAD_MAJOR)),
+                         SINK_FROM_PTR, HEAD_MAJOR, Q_IN_REGS)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn,
                          n_m, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES, IS_FIRST_PROMPT,
