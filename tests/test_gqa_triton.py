@@ -496,6 +496,36 @@ def test_tma_gate_needs_16_byte_aligned_strides_and_base(device):
 
 
 @pytest.mark.gpu
+def test_prefill_gluon_gate(device, monkeypatch):
+    """Which prefill calls the Gluon kernel takes on sm_90, and which it leaves to the Triton
+    kernel (bias, int8 or 32-bit caches, a dot dtype other than the cache's, head 80,
+    non-contiguous Q, LONGATTN_DISABLE_GLUON / LONGATTN_DISABLE_TMA)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon prefill is built for sm_90")
+    c = Case(b=1, s=64, lens=(64,), n=8, kv=2, h=128, act=torch.bfloat16)
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    q = torch.empty(1, 64, 8, 128, dtype=torch.bfloat16, device=device)
+    out = torch.empty(1, 64, 8 * 128, dtype=torch.bfloat16, device=device)
+    fits = launch.prefill_gluon_fits
+    assert fits(p, q, pk, pv, out, None)
+    assert not fits(dataclasses.replace(p, attention_bias=torch.zeros(1)), q, pk, pv, out, None)
+    assert not fits(p, q, pk.to(torch.int8), pv.to(torch.int8), out, None)
+    assert not fits(p, q.float(), pk.float(), pv.float(), out, None)
+    assert not fits(p, q, pk.half(), pv.half(), out, None)  # dot dtype != cache dtype
+    assert fits(p, q.half(), pk.half(), pv.half(), out, None)  # bf16 act., fp16 cache
+    q80 = torch.empty(1, 64, 8, 80, dtype=torch.bfloat16, device=device)
+    k80 = torch.empty(1, 2, 67, 80, dtype=torch.bfloat16, device=device)
+    assert not fits(p, q80, k80, k80, out, None)
+    assert not fits(p, q.transpose(1, 2).contiguous().transpose(1, 2), pk, pv, out, None)
+    assert not fits(p, q, pk, pv, out, torch.ones(1, 64, 8, device=device))  # per-row Q scale
+    monkeypatch.setenv("LONGATTN_DISABLE_GLUON", "1")
+    assert not fits(p, q, pk, pv, out, None)
+    monkeypatch.delenv("LONGATTN_DISABLE_GLUON")
+    monkeypatch.setenv("LONGATTN_DISABLE_TMA", "1")
+    assert not fits(p, q, pk, pv, out, None)
+
+
+@pytest.mark.gpu
 def test_decode_cuda_graph_capturable(device, monkeypatch):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
