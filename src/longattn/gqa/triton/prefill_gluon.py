@@ -44,6 +44,12 @@ ROWS_PER_WG = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma M = 6
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Register layout of a 64-row wgmma result with n columns, one warpgroup (4 warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _softcap_log2(qk, qk_scale, softcap_mult):
     """``softcap_mult * tanh(qk * qk_scale)`` (log2 domain), as ``_core.softcap_log2``."""
@@ -177,12 +183,8 @@ def _attend(
     slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
     Q_IN_REGS: Q is the QK^T wgmma's register A operand (loaded once from its shared tile), so
     each tile's QK^T reads only K from shared memory."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
-    )
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -231,12 +233,8 @@ def _consumer(
 ):  # fmt: skip
     """Per work item, rows [m0 + 64 WG, m0 + 64 WG + 64): the online softmax over its K/V
     tiles, then the normalized rows to ``o_ptr`` (while the producer loads the next item)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
-    )
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     it = 0
