@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ._core import add_sink, load_total_len, normalize, softcap_log2
+
 ROWS_PER_WG = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma M = 64, 4 warps)
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -48,13 +50,6 @@ LOG2E = gl.constexpr(1.4426950408889634)
 def _wgmma_layout(n):
     """Register layout of a 64-row wgmma result with n columns, one warpgroup (4 warps)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _softcap_log2(qk, qk_scale, softcap_mult):
-    """``softcap_mult * tanh(qk * qk_scale)`` (log2 domain), as ``_core.softcap_log2``."""
-    e = gl.exp2(qk * (qk_scale * 2.8853900817779268))
-    return softcap_mult - (2.0 * softcap_mult) / (e + 1.0)
 
 
 @gluon.jit
@@ -75,8 +70,7 @@ def _work(w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window,
         pid_bn = w % n_bn
     b = pid_bn // NUM_HEADS
     n = pid_bn % NUM_HEADS
-    t = gl.load(seqlens_ptr + b) + 1
-    total_len = gl.minimum(gl.maximum(t, 0), max_total)
+    total_len = load_total_len(seqlens_ptr, b, max_total)
     if IS_FIRST_PROMPT:
         offset = 0
         rows_valid = gl.minimum(seq_len, total_len)  # rows >= total_len are right padding
@@ -153,7 +147,7 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
     the previous tile covered) are hidden too. The mask is built only on the last tile, tiles
     crossing the diagonal of rows [r_lo, r_hi], and tiles below the window's edge."""
     if HAS_SOFTCAP:
-        s = _softcap_log2(qk, qk_scale, softcap_mult)
+        s = softcap_log2(qk, qk_scale, softcap_mult)
         unit = 1.0
     else:
         s = qk
@@ -251,17 +245,15 @@ def _consumer(
             kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP, Q_IN_REGS)  # fmt: skip
         mbarrier.arrive(q_empty, count=1)  # this warpgroup's Q tile is free
+        m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
+        l_i = gl.convert_layout(l_i, row_o)
         if HAS_SINK:
             if SINK_FROM_PTR:
                 sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
             else:
                 sink2 = 0.0
-            m_f = gl.maximum(m_i, sink2)
-            alpha = gl.exp2(m_i - m_f)
-            l_i = l_i * alpha + gl.exp2(sink2 - m_f)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        inv = gl.where(l_i > 0.0, 1.0 / gl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [64]
-        acc = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+            acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
+        acc = normalize(acc, l_i)
         rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
         acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
         cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
