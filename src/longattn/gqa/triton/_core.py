@@ -42,6 +42,35 @@ def load_total_len(seqlens_ptr, b, max_total):
 
 
 @triton.jit
+def new_row_span(total_len, seq_len, IS_FIRST_PROMPT: tl.constexpr):
+    """(offset, rows_valid) of a call's S new rows in a sequence of total_len tokens:
+    row s sits at position s + offset; rows >= rows_valid are right padding (first prompt) and
+    give zeros."""
+    if IS_FIRST_PROMPT:
+        offset = 0
+        rows_valid = tl.minimum(seq_len, total_len)
+    else:
+        offset = total_len - seq_len
+        rows_valid = seq_len
+    return offset, rows_valid
+
+
+@triton.jit
+def prefill_key_range(offset, rows_valid, total_len, m0, window, BLOCK_M: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """(q_lo, q_hi, kv_lo, kv_hi) of the row tile [m0, m0 + BLOCK_M): the positions of its
+    first and last valid rows and the keys [kv_lo, kv_hi) any of them sees (causal, window);
+    a tile of padding rows only (m0 >= rows_valid) gets no keys."""
+    q_lo = offset + m0
+    q_hi = offset + tl.minimum(m0 + BLOCK_M, rows_valid) - 1
+    kv_hi = tl.where(m0 < rows_valid, tl.minimum(q_hi + 1, total_len), 0)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(q_lo - window + 1, 0)
+    return q_lo, q_hi, tl.minimum(kv_lo, kv_hi), kv_hi
+
+
+@triton.jit
 def load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, row_ok, NUM_HEADS: tl.constexpr,
                    HAS_QSCALE: tl.constexpr):  # fmt: skip
     """Per-row dot factor of a power-of-two-scaled Q (``qs [B, S, N]`` fp32 at rows (s_idx,

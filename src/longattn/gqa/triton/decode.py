@@ -23,6 +23,7 @@ from ._core import (
     load_kv_tile,
     load_row_scale,
     load_total_len,
+    new_row_span,
     normalize,
     online_softmax_step,
     scores,
@@ -152,12 +153,7 @@ def gqa_decode_split_kernel(
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
     total_len = load_total_len(seqlens_ptr, b, max_total)
-    if IS_FIRST_PROMPT:
-        offset = 0
-        rows_valid = tl.minimum(seq_len, total_len)
-    else:
-        offset = total_len - seq_len
-        rows_valid = seq_len
+    offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
 
     offs_r = tl.arange(0, ROWS_PAD)  # [ROWS_PAD]
     offs_d = tl.arange(0, HEAD)  # [HEAD]

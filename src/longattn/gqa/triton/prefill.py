@@ -22,8 +22,10 @@ from ._core import (
     load_kv_tile,
     load_row_scale,
     load_total_len,
+    new_row_span,
     normalize,
     online_softmax_step,
+    prefill_key_range,
     scores,
 )
 
@@ -193,12 +195,7 @@ def gqa_prefill_kernel(
     kvh = n // GROUP
     b64 = b.to(tl.int64)
     total_len = load_total_len(seqlens_ptr, b, max_total)
-    if IS_FIRST_PROMPT:
-        offset = 0
-        rows_valid = tl.minimum(seq_len, total_len)  # rows >= total_len are right padding
-    else:
-        offset = total_len - seq_len
-        rows_valid = seq_len
+    offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
 
     m0 = pid_m * BLOCK_M
     offs_s = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] new-token index
@@ -228,13 +225,8 @@ def gqa_prefill_kernel(
         )
         q = tl.load(q_ptrs, mask=in_s[:, None], other=0.0)  # [BLOCK_M, HEAD]
         row_scale = load_row_scale(qs_ptr, b64, seq_len, offs_s, n, in_s, NUM_HEADS, HAS_QSCALE)
-        q_lo = offset + m0
-        q_hi = offset + tl.minimum(m0 + BLOCK_M, rows_valid) - 1
-        kv_hi = tl.minimum(q_hi + 1, total_len)
-        kv_lo = 0
-        if HAS_WINDOW:
-            kv_lo = tl.maximum(q_lo - window + 1, 0)
-        kv_lo = tl.minimum(kv_lo, kv_hi)
+        q_lo, q_hi, kv_lo, kv_hi = prefill_key_range(offset, rows_valid, total_len, m0, window,
+                                                     BLOCK_M, HAS_WINDOW)  # fmt: skip
         # Unmasked middle: blocks fully visible to every row of the tile.
         full_lo = kv_lo
         if HAS_WINDOW:

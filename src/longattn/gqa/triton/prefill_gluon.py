@@ -40,7 +40,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._core import add_sink, load_total_len, normalize, softcap_log2
+from ._core import (
+    add_sink,
+    load_total_len,
+    new_row_span,
+    normalize,
+    prefill_key_range,
+    softcap_log2,
+)
 
 ROWS_PER_WG = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma M = 64, 4 warps)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -71,20 +78,10 @@ def _work(w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window,
     b = pid_bn // NUM_HEADS
     n = pid_bn % NUM_HEADS
     total_len = load_total_len(seqlens_ptr, b, max_total)
-    if IS_FIRST_PROMPT:
-        offset = 0
-        rows_valid = gl.minimum(seq_len, total_len)  # rows >= total_len are right padding
-    else:
-        offset = total_len - seq_len
-        rows_valid = seq_len
+    offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
     m0 = pid_m * (2 * ROWS_PER_WG)
-    q_lo = offset + m0
-    q_hi = offset + gl.minimum(m0 + 2 * ROWS_PER_WG, rows_valid) - 1
-    kv_hi = gl.where(m0 < rows_valid, gl.minimum(q_hi + 1, total_len), 0)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = gl.maximum(q_lo - window + 1, 0)
-    kv_lo = gl.minimum(kv_lo, kv_hi)
+    q_lo, q_hi, kv_lo, kv_hi = prefill_key_range(offset, rows_valid, total_len, m0, window,
+                                                 2 * ROWS_PER_WG, HAS_WINDOW)  # fmt: skip
     n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
     return b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles
 
