@@ -35,11 +35,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
     base = prefill_config(h, torch.bfloat16, False)
     out = [("base", dict(base, USE_DESC=False)), ("tma", dict(base, USE_DESC=True))]
     # the Gluon kernel (prefill_gluon.py): two consumer warpgroups + a TMA producer warp
-    out += [("gluon", _gl()), ("gluon_items", _gl(PERSISTENT=False)),
-            ("gluon_headmajor", _gl(HEAD_MAJOR=True)),
-            ("gluon_items_headmajor", _gl(PERSISTENT=False, HEAD_MAJOR=True))]  # fmt: skip
-    if h == 128:
-        out += [("gluon_qregs", _gl(Q_IN_REGS=True))]
+    # default: persistent, dynamic work claims, ORDER 2 (KV groups), 2 Q slots (H <= 128)
+    out += [("gluon", _gl()), ("gluon_q1", _gl(Q_SLOTS=1)), ("gluon_order1", _gl(ORDER=1)),
+            ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
     return out
 
 

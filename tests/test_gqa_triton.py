@@ -460,7 +460,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
                                   "prefill-past-bf16-h128-sink-qknorm",
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
 @pytest.mark.parametrize(
-    "variant", ["default", "bn64_st3", "one_item_per_cta", "head_major", "q_in_regs"]
+    "variant",
+    ["default", "bn64_st3", "one_item_per_cta", "static", "dynamic_row_major", "head_major"],
 )
 def test_prefill_gluon_gpu(name, variant, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
@@ -469,8 +470,9 @@ def test_prefill_gluon_gpu(name, variant, device):
         pytest.skip("the Gluon prefill is built for sm_90")
     c = dataclasses.replace(GPU_CASES[name], force_path="prefill_gluon")
     over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3),
-                one_item_per_cta=dict(PERSISTENT=False),
-                head_major=dict(HEAD_MAJOR=True), q_in_regs=dict(Q_IN_REGS=True))[variant]  # fmt: skip
+                one_item_per_cta=dict(PERSISTENT=False, DYNAMIC=False, Q_SLOTS=1),
+                static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
+                dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)
@@ -547,6 +549,29 @@ def test_decode_cuda_graph_capturable(device, monkeypatch):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
     torch.testing.assert_close(pk2, pk1, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_prefill_gluon_cuda_graph_replays(device):
+    """The Gluon prefill's dynamic schedule takes tickets from a per-call counter that a
+    captured memset zeroes: a CUDA graph of the prefill replays three times, each bit-equal to
+    the eager run (an item's result does not depend on which CTA computes it)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon prefill is built for sm_90")
+    c = Case(b=2, s=1000, lens=(1000, 613), first_prompt=True, n=8, kv=2, h=128,
+             act=torch.bfloat16, force_path="prefill_gluon")  # fmt: skip
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    eager = gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p,
+                       force_path=c.force_path)  # fmt: skip
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gqa_triton(query, key, value, pk, pv, seqlens, p, force_path=c.force_path)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
 @triton.jit

@@ -89,16 +89,24 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
 
 
 @pytest.mark.parametrize(
-    "shape", ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64", "HEAD=128,BLOCK_N=128,Q_IN_REGS=True"]
+    "shape",
+    ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64,Q_SLOTS=1", "HEAD=128,BLOCK_N=128,DYNAMIC=False"],
 )
 def test_prefill_gluon_compiles_warp_specialized(shape):
     """The Gluon prefill (no interpreter exists for it) compiles for sm_90 as designed: 168
     registers at launch with setmaxnreg partitions, no spills, K/V/Q by TMA only (no per-thread
-    global loads but the seqlens/sink scalars)."""
+    global loads but the producer's seqlens scalar), and, with DYNAMIC, relaxed ticket atomics
+    (no memory fence around them)."""
     res = _sass("gqa-prefill-gluon", "--set", shape)
     hist = res["hist"]
-    assert res["regs"] == 168 and res["stack"] == 0, res
+    # H=256: a consumer keeps one item-invariant value on the stack (one STL per CTA, one LDL
+    # per item); nothing local in the tile loops (loops with wgmma but no output store)
+    assert res["regs"] == 168 and res["stack"] <= 16, res
+    tile_loops = [c for c in res["loops"] if c.get("HGMMA", 0) and not c.get("STG", 0)]
+    assert tile_loops and not any(c.get("LDL", 0) + c.get("STL", 0) for c in tile_loops), res
     assert hist.get("USETMAXREG", 0) >= 2 and hist.get("UTMALDG", 0) >= 4, hist
     assert hist.get("HGMMA", 0) > 0 and "LDGSTS" not in hist, hist
-    # LDG.E: each partition's seqlens scalar
-    assert res["memory"].get("LDG.E", 0) <= 3 and "LDL" not in str(res["memory"]), res["memory"]
+    assert res["memory"].get("LDG.E", 0) <= 1, res["memory"]
+    atomics = sum(c for op, c in hist.items() if op.startswith("ATOMG"))
+    assert atomics == (0 if "DYNAMIC=False" in shape else 2), hist  # first claim + loop claim
+    assert not any(op.startswith("MEMBAR") for op in hist), hist

@@ -250,10 +250,16 @@ def prefill_gluon_config(head: int) -> dict:
     """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
     STAGES; two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
     warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
-    consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM."""
+    consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM.
+    Q_SLOTS: Q tile pairs (2: the producer loads item k+1's Q and K/V during item k; dropped
+    to 1 where shared memory is short, H=256). Work schedule: PERSISTENT (one CTA per SM, else one per work item), DYNAMIC (each CTA
+    claims its next item from a per-call counter, else CTA c takes c, c + G, ...), ORDER
+    (0: every head's last row block first; 1: a head's row blocks heaviest first, then the next
+    head's; 2: as 1 with the heads of one KV head interleaved); see
+    ``prefill_gluon._item_head``."""
     bn = 64 if head > 128 else 128
-    return dict(BLOCK_N=bn, STAGES=2, CONSUMER_REGS=240, maxnreg=168, PERSISTENT=True,
-                HEAD_MAJOR=False, Q_IN_REGS=False)  # fmt: skip
+    return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
+                PERSISTENT=True, DYNAMIC=True, ORDER=2)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
@@ -268,10 +274,15 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
-    cfg["Q_IN_REGS"] = cfg["Q_IN_REGS"] and h <= 128  # at H=256 the register Q spills
     q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
-    while cfg["STAGES"] > 1 and q_bytes + cfg["STAGES"] * stage_bytes > 232448 - 2048:
-        cfg["STAGES"] -= 1  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
+
+    def smem():  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
+        return cfg["Q_SLOTS"] * q_bytes + cfg["STAGES"] * stage_bytes <= 232448 - 2048
+
+    while cfg["Q_SLOTS"] > 1 and not smem():
+        cfg["Q_SLOTS"] -= 1  # H=256: one Q pair (64 KiB) beside the two K/V stages
+    while cfg["STAGES"] > 1 and not smem():
+        cfg["STAGES"] -= 1
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
     q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
@@ -282,6 +293,11 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     qk_scale, softcap_mult = _logit_scalars(p)
     items = cdiv(s, 2 * rows) * b * n
     grid = min(items, _num_sms(q_rot.device.index or 0)) if cfg.pop("PERSISTENT") else items
+    # DYNAMIC: the work-item tickets, zero at launch (one per call: concurrent launches on
+    # other streams never share it)
+    counter = seqlens_k
+    if cfg["DYNAMIC"]:
+        counter = torch.zeros(1, dtype=torch.int32, device=q_rot.device)
     gqa_prefill_gluon_kernel[(grid,)](
         q_desc,
         k_desc,
@@ -289,6 +305,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         out,
         seqlens_k,
         p.head_sink if p.head_sink is not None else q_rot,
+        counter,
         p.total_sequence_length,
         s,
         max(p.local_window_size, 0),

@@ -9,20 +9,27 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
   into a ring of ``STAGES`` shared-memory slots guarded by ready / empty mbarriers). The
   consumers run independently, so the warp schedulers overlap one warpgroup's softmax with the
   other's GEMMs;
-- persistent: CTA c takes work items c, c + G, ... (G = the grid size), heaviest causal row
-  blocks first; the producer loads the next item's Q and K/V while the consumers finish the
-  current one (a grid of one CTA per item is the non-persistent kernel);
+- persistent, dynamically scheduled: one CTA per SM; the producer claims each next work item
+  from a per-call counter (atomic tickets, ``_claim``) and hands it to the consumers through
+  shared memory (``_publish`` / ``_take``). Items go in ``_item_head``'s ORDER 2: a KV head's
+  row blocks heaviest first, with its GROUP query heads interleaved, so CTAs that run together
+  share one KV head's K/V in L2 and the last items are light. With ``Q_SLOTS = 2`` (H <= 128)
+  the producer loads item k+1's Q and K/V while the consumers work on item k, so the K/V ring
+  never drains between items (the static schedule CTA c: c, c + G, ... and one CTA per item
+  remain as flags);
 - no tile reads a cache row at or past the sequence's length (those rows may hold NaN
   garbage; 0 * NaN would poison the PV product): the last tile of a range is shifted back to
   end at the range's end, and the columns it shares with the previous tile are masked (rows
   before 0 are zero-filled by TMA);
 - the causal / window / duplicate-column mask is applied only on tiles that need it.
 
-Measured and not kept (``benchmarks/results/prefill_gluon_ab{1,2,3}_h200.json``): FA3's
-explicit intra-warpgroup overlap (softmax of tile j during PV of j-1; 2-9% slower) and
+Measured (same process, ``benchmarks/results/prefill_gluon_ab{1..6}_h200.json``): the dynamic
+ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept:
+FA3's explicit intra-warpgroup overlap (softmax of tile j during PV of j-1; 2-9% slower) and
 inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
 sequence length (slower in 5 of 6 shapes), three consumer warpgroups with BLOCK_N 64 (-5 to
-+2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%).
++2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%), Q as the register
+A operand of QK^T (8-9% slower at H = 128, and its output was wrong; not debugged).
 
 Grid: (G,) with G <= cdiv(S, 128) * B * N. Gluon has no interpreter:
 the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
@@ -60,30 +67,72 @@ def _wgmma_layout(n):
 
 
 @gluon.jit
-def _work(w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window,
-          NUM_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
-          HAS_WINDOW: gl.constexpr, HEAD_MAJOR: gl.constexpr):  # fmt: skip
-    """Work item ``w`` as (b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles): rows
-    [m0, m0 + 128) of head n of sequence b against keys [kv_lo, kv_hi), n_tiles tiles
-    (n_bn = B * N, n_m = cdiv(S, 128)). Items go heaviest causal row block first: every (b, n)
-    of the last row block, then the one before, ...; HEAD_MAJOR: every row block of (0, 0)
-    heaviest first, then of (0, 1), ... (the launch order of the earlier 2-D grid: CTAs that
-    run together share one head's K/V)."""
-    if HEAD_MAJOR:
+def _item_head(w, n_bn, n_m, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+               ORDER: gl.constexpr):  # fmt: skip
+    """Work item ``w`` as (b, n, m0): rows [m0, m0 + 128) of head n of sequence b
+    (n_bn = B * N, n_m = cdiv(S, 128)). Every order takes a head's row blocks heaviest (last)
+    first. ORDER 0: every (b, n)'s last row block, then every one's block before, ...;
+    1: every row block of head (0, 0), then of (0, 1), ...; 2: as 1, with the GROUP heads of
+    one KV head interleaved (their items at row block m are adjacent). With 1 and 2, CTAs that
+    run together read one KV head's K/V, which stays in L2, and the last items are light."""
+    if ORDER == 0:
+        pid_m = n_m - 1 - w // n_bn
+        pid_bn = w % n_bn
+    elif ORDER == 1:
         pid_m = n_m - 1 - w % n_m
         pid_bn = w // n_m
     else:
-        pid_m = n_m - 1 - w // n_bn
-        pid_bn = w % n_bn
-    b = pid_bn // NUM_HEADS
-    n = pid_bn % NUM_HEADS
-    total_len = load_total_len(seqlens_ptr, b, max_total)
+        per_kv = n_m * GROUP
+        pid_m = n_m - 1 - (w % per_kv) // GROUP
+        pid_bn = (w // per_kv) * GROUP + w % GROUP
+    return pid_bn // NUM_HEADS, pid_bn % NUM_HEADS, pid_m * (2 * ROWS_PER_WG)
+
+
+@gluon.jit
+def _item_keys(total_len, m0, seq_len, window, BLOCK_N: gl.constexpr,
+               IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr):  # fmt: skip
+    """(offset, rows_valid, kv_lo, kv_hi, n_tiles) of the row block at m0 of a sequence of
+    total_len tokens: its keys [kv_lo, kv_hi) in n_tiles tiles."""
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
-    m0 = pid_m * (2 * ROWS_PER_WG)
     q_lo, q_hi, kv_lo, kv_hi = prefill_key_range(offset, rows_valid, total_len, m0, window,
                                                  2 * ROWS_PER_WG, HAS_WINDOW)  # fmt: skip
-    n_tiles = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
-    return b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles
+    return offset, rows_valid, kv_lo, kv_hi, gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+
+
+@gluon.jit
+def _claim(w, counter_ptr, DYNAMIC: gl.constexpr):
+    """The producer's next work item after ``w``: the next ticket of the launch's counter
+    (DYNAMIC: the first CTA to get free takes the next item), else ``w + grid``."""
+    if DYNAMIC:
+        w = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    else:
+        w = w + gl.num_programs(0)
+    return w
+
+
+@gluon.jit
+def _publish(info, b, n, m0, total_len, num_warps: gl.constexpr):
+    """Producer: the item's (b, n, m0, total_len) into shared ``info`` [4] for the consumers
+    (read after they wait on q_bar, whose arrival follows this store); b = -1: no more items."""
+    idx = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    info.store(gl.where(idx == 0, b, gl.where(idx == 1, n, gl.where(idx == 2, m0, total_len))))
+    gl.thread_barrier()  # every lane's store before the (one-lane) mbarrier arrival
+
+
+@gluon.jit
+def _field(vals, idx, k: gl.constexpr):
+    return gl.sum(gl.where(idx == k, vals, 0), 0)
+
+
+@gluon.jit
+def _take(info, q_bar, item, Q_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+    """Consumer: wait for this CTA's item number ``item`` (Q slot ``item % Q_SLOTS``) and
+    read its (b, n, m0, total_len)."""
+    qs = item % Q_SLOTS
+    mbarrier.wait(q_bar.index(qs), (item // Q_SLOTS) & 1)
+    idx = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    vals = info.index(qs).load(idx.type.layout)
+    return _field(vals, idx, 0), _field(vals, idx, 1), _field(vals, idx, 2), _field(vals, idx, 3)
 
 
 @gluon.jit
@@ -95,29 +144,35 @@ def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn, n_m, q_smem, k_smem,
-    v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+    q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len, window, n_bn, n_m,
+    q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HEAD_MAJOR: gl.constexpr,
+    STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
-    """One warp: per work item, its two Q tiles (once both consumers released the previous
-    item's), then K/V tile j into ring slot ``it % STAGES`` (``it`` counts tiles across
-    items) once both consumers released the slot's previous tile."""
+    """One warp: per work item (claimed by ``_claim``), its (b, n, m0, total_len) for the consumers
+    and its two Q tiles (once both consumers released the previous item's), then K/V tile j
+    into ring slot ``it % STAGES`` (``it`` counts tiles across items) once both consumers
+    released the slot's previous tile. Past the last item, b = -1 tells the consumers to stop."""
     tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
     it = 0
     item = 0
-    for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
-        b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
-            w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
-            IS_FIRST_PROMPT, HAS_WINDOW, HEAD_MAJOR)  # fmt: skip
+    w = _claim(gl.program_id(0) - gl.num_programs(0), counter_ptr, DYNAMIC)
+    while w < n_bn * n_m:
+        b, n, m0 = _item_head(w, n_bn, n_m, NUM_HEADS, GROUP, ORDER)
+        total_len = load_total_len(seqlens_ptr, b, max_total)
+        offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
+            total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
         kvh = n // GROUP
         q_row = b * seq_len + m0
-        mbarrier.wait(q_empty, (item & 1) ^ 1)  # a fresh barrier passes at once
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, n * HEAD], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, n * HEAD], q_bar,
-                                        q_smem.index(1))  # fmt: skip
+        qs = item % Q_SLOTS
+        mbarrier.wait(q_empty.index(qs), ((item // Q_SLOTS) & 1) ^ 1)  # fresh: passes at once
+        _publish(info.index(qs), b, n, m0, total_len, 1)
+        mbarrier.expect(q_bar.index(qs), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, n * HEAD], q_bar.index(qs),
+                                        q_smem.index(2 * qs))  # fmt: skip
+        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, n * HEAD],
+                                        q_bar.index(qs), q_smem.index(2 * qs + 1))  # fmt: skip
         for j in range(n_tiles):
             slot = it % STAGES
             phase = (it // STAGES) & 1
@@ -133,6 +188,11 @@ def _producer(
                                             v_dst)  # fmt: skip
             it += 1
         item += 1
+        w = _claim(w, counter_ptr, DYNAMIC)
+    qs = item % Q_SLOTS
+    mbarrier.wait(q_empty.index(qs), ((item // Q_SLOTS) & 1) ^ 1)
+    _publish(info.index(qs), -1, 0, 0, 0, 1)  # no more items
+    mbarrier.arrive(q_bar.index(qs), count=1)
 
 
 @gluon.jit
@@ -168,12 +228,10 @@ def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
-    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
-    Q_IN_REGS: Q is the QK^T wgmma's register A operand (loaded once from its shared tile), so
-    each tile's QK^T reads only K from shared memory."""
+    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -183,8 +241,6 @@ def _attend(
     m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
-    if Q_IN_REGS:
-        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     for j in range(n_tiles):
         slot = it % STAGES
         phase = (it // STAGES) & 1
@@ -214,34 +270,34 @@ def _attend(
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total, seq_len,
-    window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem, v_smem, q_bar, q_empty,
-    k_ready, v_ready, kv_empty,
+    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, HEAD_MAJOR: gl.constexpr,
-    Q_IN_REGS: gl.constexpr,
+    Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
 ):  # fmt: skip
-    """Per work item, rows [m0 + 64 WG, m0 + 64 WG + 64): the online softmax over its K/V
-    tiles, then the normalized rows to ``o_ptr`` (while the producer loads the next item)."""
+    """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
+    online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
+    producer loads the next item)."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     it = 0
     item = 0
-    for w in range(gl.program_id(0), n_bn * n_m, gl.num_programs(0)):
-        b, n, m0, offset, rows_valid, kv_lo, kv_hi, n_tiles = _work(
-            w, n_bn, n_m, seqlens_ptr, max_total, seq_len, window, NUM_HEADS, BLOCK_N,
-            IS_FIRST_PROMPT, HAS_WINDOW, HEAD_MAJOR)  # fmt: skip
+    b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
+    while b >= 0:
+        offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
+            total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
         r0 = m0 + WG * ROWS_PER_WG
         qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-        mbarrier.wait(q_bar, item & 1)
+        qs = item % Q_SLOTS
         acc, m_i, l_i, it = _attend(
-            it, q_smem.index(WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1, kv_lo,
-            kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
-            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP, Q_IN_REGS)  # fmt: skip
-        mbarrier.arrive(q_empty, count=1)  # this warpgroup's Q tile is free
+            it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
+            kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
+            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
         l_i = gl.convert_layout(l_i, row_o)
         if HAS_SINK:
@@ -263,6 +319,7 @@ def _consumer(
         )
         gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < seq_len, 1))
         item += 1
+        b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
 
 
 @gluon.jit
@@ -273,6 +330,7 @@ def gqa_prefill_gluon_kernel(
     o_ptr,  # [B, S, N * HEAD] output (stride 1 along the last axis)
     seqlens_ptr,  # [B] int32, total_len - 1
     sink_ptr,  # [N]
+    counter_ptr,  # [1] int32, zero at launch (DYNAMIC: the work-item tickets)
     max_total,
     seq_len,
     window,
@@ -286,28 +344,32 @@ def gqa_prefill_gluon_kernel(
     HEAD: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    Q_SLOTS: gl.constexpr,  # Q tile pairs: 2 lets the producer load item k+1 during item k
     IS_FIRST_PROMPT: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
     HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    HEAD_MAJOR: gl.constexpr,  # work order (see _work)
-    Q_IN_REGS: gl.constexpr,  # Q as the register A operand of QK^T (see _attend)
+    ORDER: gl.constexpr,  # work order: 0 row blocks, 1 heads, 2 KV groups (see _item_head)
+    DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS_PER_WG, HEAD], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_SLOTS, ROWS_PER_WG, HEAD], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    info = gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 4],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumers release the Q tiles
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release the Q tiles
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -315,20 +377,18 @@ def gqa_prefill_gluon_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
-                         seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
-                         v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
-                         BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR, HEAD_MAJOR, Q_IN_REGS)),
-            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seqlens_ptr, max_total,
-                         seq_len, window, n_bn, n_m, qk_scale, softcap_mult, q_smem, k_smem,
-                         v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, HEAD,
-                         BLOCK_N, STAGES, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK,
-                         SINK_FROM_PTR, HEAD_MAJOR, Q_IN_REGS)),
-            (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, max_total, seq_len, window, n_bn,
-                         n_m, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES, IS_FIRST_PROMPT,
-                         HAS_WINDOW, HEAD_MAJOR)),
+            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+                         softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
+                         v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
+                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+                         softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
+                         v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
+                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+            (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
+                         window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
+                         k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES,
+                         Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, ORDER, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
