@@ -4,7 +4,10 @@ and the Gluon warp-specialized kernel (gluon*) variants (GPU machine).
     PYTHONPATH=src python benchmarks/prefill_tma_ab.py --out $OUT
 
 Causal bf16 first prompt, (N, KV) = (32, 8), B*S = 16K, H in {128, 256}, S in {2K, 8K, 32K}.
-Each variant's output is compared with the base output (``maxdiff_vs_base``: 0 where the two
+Variants are timed in ``--rounds`` interleaved rounds (order rotated per round; the row keeps
+the median, every round's time and the spread): back-to-back runs of one config varied by up to
+7% on the H200 (power-capped clocks drift with load). Each variant's output is compared with
+the base output (``maxdiff_vs_base``: 0 where the two
 kernels compute the same sums in the same order; a BLOCK_N change moves bf16 rounding). Writes
 ``prefill_tma_ab.json`` (kept runs: ``benchmarks/results/prefill_{tma,gluon_ab*}_h200.json``).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_gqa as bg  # noqa: E402
-from _harness import gpu_meta  # noqa: E402
+from _harness import bench, gpu_meta  # noqa: E402
 from longattn.gqa.triton import launch  # noqa: E402
 from longattn.gqa.triton.prefill import prefill_config  # noqa: E402
 
@@ -38,6 +42,8 @@ def variants(h: int) -> list[tuple[str, dict]]:
     # default: persistent, dynamic work claims, ORDER 2 (KV groups), 2 Q slots (H <= 128)
     out += [("gluon", _gl()), ("gluon_q1", _gl(Q_SLOTS=1)), ("gluon_order1", _gl(ORDER=1)),
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
+    if h == 128:  # 64-key tiles, 4 stages (64 + 4 * 32 KiB with 2 Q slots)
+        out += [("gluon_bn64_st4", _gl(BLOCK_N=64, STAGES=4))]
     return out
 
 
@@ -49,9 +55,26 @@ def _fn(p, cfg):
     return bg._prefill_attn_fn(p, cfg)
 
 
+def _check(p, name, cfg, aset):
+    """One NaN-poisoned call: (fn, fp32 output) or None when the variant cannot run."""
+    q_rot, pk, pv, sl, out = aset
+    out.fill_(float("nan"))
+    fn = _fn(p, cfg)
+    try:
+        fn(q_rot, pk, pv, sl, out)
+        torch.cuda.synchronize()
+    except Exception as exc:  # e.g. shared memory
+        print(f"  {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return None
+    return fn, out.float().clone()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds: every variant once per round, the order rotated "
+                         "each round (clock / power drift lands on all variants alike)")  # fmt: skip
     args = ap.parse_args(argv)
     rows = []
     for h in (128, 256):
@@ -60,30 +83,36 @@ def main(argv=None):
             sets, p = bg._prefill_sets(b, s, h, 2 if s < 32768 else 1)
             asets = bg._attn_sets_from(sets, p, h)
             flops = 4 * b * bg.N * h * s * s / 2
-            ref = None
+            runs, ref = [], None
             for name, cfg in variants(h):
-                q_rot, pk, pv, sl, out = asets[0]
-                out.fill_(float("nan"))
-                try:
-                    _fn(p, cfg)(q_rot, pk, pv, sl, out)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # e.g. shared memory
-                    print(f"  {h} {s} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                got = _check(p, name, cfg, asets[0])
+                if got is None:
                     continue
-                o = out.float().clone()
+                fn, o = got
                 ref = o if ref is None else ref
-                us = bg._time_or_none(_fn(p, cfg), asets, s >= 32768)
+                runs.append((name, cfg, fn, (o - ref).abs().max().item(), bool(o.isnan().any())))
+            times = {name: [] for name, *_ in runs}
+            heavy = s >= 32768
+            for r in range(args.rounds):
+                for name, _, fn, _, _ in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                    res = bench(fn, asets, warmup=2, reps=4 if heavy else None, min_time_s=0.1)
+                    times[name].append(res["median_us"])
+            for name, cfg, _, maxdiff, nan in runs:
+                us = statistics.median(times[name])
                 row = dict(H=h, S=s, B=b, variant=name, cfg=str(cfg), us=us,
-                           TFLOPs=flops / (us * 1e-6) / 1e12 if us else None,
-                           maxdiff_vs_base=(o - ref).abs().max().item(),
-                           nan=bool(torch.isnan(o).any()))  # fmt: skip
+                           TFLOPs=flops / (us * 1e-6) / 1e12, round_us=times[name],
+                           spread=(max(times[name]) - min(times[name])) / us,
+                           maxdiff_vs_base=maxdiff, nan=nan)  # fmt: skip
                 print(f"  {row}", flush=True)
                 rows.append(row)
             del sets, asets
             torch.cuda.empty_cache()
     path = Path(args.out) / "prefill_tma_ab.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(meta=gpu_meta(), rows=rows), indent=1))
+    meta = dict(gpu_meta(), rounds=args.rounds,
+                timing="per variant: median over rounds of each round's median (bench, "
+                       "min_time_s 0.1; S=32K: 4 reps); spread = (max - min) / median")  # fmt: skip
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(path)
 
 
