@@ -56,9 +56,14 @@ def sweep(b, s, t, rows):
     seqlens, layers = _layers(b, s, t)
     nb = layers[0][1].shape[1]
     base = [_scores(q, k, seqlens, None) for q, k in layers]
-    grid = itertools.product((16, 32, 64), (16, 32), (32, 128), (2, 4))
-    for bb, br, bd, nw in grid:
+    # S_TILE: rows per program (None: min(16, S), one program per 16 rows; S > 1 also sweeps
+    # fewer rows per program, i.e. S / S_TILE times the programs)
+    tiles = (None,) if s == 1 else (None, 1, 2, 4)
+    grid = itertools.product((16, 32, 64), (16, 32), (32, 128), (2, 4), tiles)
+    for bb, br, bd, nw, st in grid:
         cfg = dict(BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, num_warps=nw)
+        if st is not None:
+            cfg["S_TILE"] = st
         try:
             got = _scores(*layers[0], seqlens, cfg)
             err = float(((got - base[0]).abs() / base[0].abs().clamp_min(1e-3))
@@ -69,6 +74,7 @@ def sweep(b, s, t, rows):
             print(f"score {cfg}: {type(exc).__name__}", flush=True)
             continue
         row = dict(kernel="score", B=b, S=s, T=t, **cfg, us=round(us, 2), rel_err=err)
+        row.setdefault("S_TILE", min(s, ix.BLOCK_S))
         rows.append(row)
         print(row, flush=True)
     ref = [_select(sc, seqlens, s, nb) for sc in base]

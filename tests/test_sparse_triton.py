@@ -590,6 +590,43 @@ def test_indexer_sort_keys_order_scores():
     assert torch.isinf(score[~vis]).all()
 
 
+@interpret
+@pytest.mark.parametrize("s_tile", [1, 3])
+def test_indexer_scores_rows_per_program(s_tile):
+    """``S_TILE`` rows per score program (the S = 8 decode option of ``score_config``): every
+    row of every program is written (NaN-poisoned output), each equals the reference score, and
+    no program writes a row of another's (the default one-program layout gives the same)."""
+    iq, keys, sk = _icase(5, b=2, s=7, ni=2, di=16, nb=12, seqlens=[80, 60])
+    kw = dict(num_index_heads=2, compress_ratio=8, scale=0.25, is_first_prompt=False)
+    orig = indexer._empty
+    indexer._empty = lambda *a, **k: torch.full(*a, float("nan"), **k)  # poison
+    try:
+        cfg = dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4, S_TILE=s_tile)
+        got = indexer.indexer_scores(iq, keys, sk, cfg=cfg, **kw)
+        ref = indexer.indexer_scores(iq, keys, sk, **kw)
+    finally:
+        indexer._empty = orig
+    from longattn.sparse.reference import indexer_scores_reference
+
+    want = indexer_scores_reference(iq, keys, 2, 0.25)
+    assert not got.isnan().any() and not ref.isnan().any()
+    vis = ~torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), ~vis)
+    torch.testing.assert_close(got[vis], want[vis], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    # the first program of each sequence alone writes its S_TILE rows and nothing else
+    # (the interpreter runs programs in order, so a later program would hide a stray write)
+    real_cdiv = indexer.cdiv
+    indexer._empty = lambda *a, **k: torch.full(*a, float("nan"), **k)
+    indexer.cdiv = lambda a, b: 1 if (a, b) == (7, s_tile) else real_cdiv(a, b)
+    try:
+        first = indexer.indexer_scores(iq, keys, sk, cfg=cfg, **kw).view(2, 7, -1)
+    finally:
+        indexer._empty, indexer.cdiv = orig, real_cdiv
+    assert first[:, s_tile:].isnan().all()
+    torch.testing.assert_close(first[:, :s_tile], got.view(2, 7, -1)[:, :s_tile], rtol=0, atol=0)
+
+
 def test_indexer_gate_on_cpu():
     iq, keys, sk = _icase(4, b=1, s=1, ni=1, di=8, nb=4, seqlens=[9], device="cpu")
     with pytest.raises(RuntimeError, match="index_head_dim 8"):

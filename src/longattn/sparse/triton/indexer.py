@@ -1,8 +1,8 @@
 """Triton SparseAttentionIndexer: block scores in one kernel, top-k + emission in a second one.
 
-``indexer_score_kernel`` grid: (cdiv(NB, BLOCK_B), cdiv(S, BLOCK_S), B). A program loads one
+``indexer_score_kernel`` grid: (cdiv(NB, BLOCK_B), cdiv(S, S_TILE), B). A program loads one
 ``[BLOCK_B, DI]`` tile of block keys (fp32) once and scores it against the indexer query rows
-``(s, h)`` of ``BLOCK_S`` new tokens of its sequence, ``BLOCK_R`` rows per ``tl.dot``:
+``(s, h)`` of ``S_TILE <= BLOCK_S`` new tokens of its sequence, ``BLOCK_R`` rows per ``tl.dot``:
 
     D[(s, h), c] = q[s, h] . k[c]                  (exact fp32 dot, ``ieee``)
     score[s, c] = scale * sum_h relu(D[(s, h), c])  (the head sum as a 0/1 matrix dot, fp32)
@@ -53,8 +53,8 @@ def indexer_score_kernel(
     DI: tl.constexpr,
     DI_PAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # query rows per program (>= 16: the head-sum dot's M)
-    S_TILE: tl.constexpr,  # min(BLOCK_S, S): rows actually scanned per program
+    BLOCK_S: tl.constexpr,  # the head-sum dot's M (>= 16): rows a program could hold
+    S_TILE: tl.constexpr,  # rows per program (<= BLOCK_S): program j scores rows j * S_TILE...
     BLOCK_R: tl.constexpr,  # (row, head) pairs per dot
     BLOCK_D: tl.constexpr,  # channels per dot step
     IS_FIRST_PROMPT: tl.constexpr,
@@ -63,7 +63,7 @@ def indexer_score_kernel(
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid_b = tl.program_id(0)
-    s0 = tl.program_id(1) * BLOCK_S
+    s0 = tl.program_id(1) * S_TILE
     b = tl.program_id(2).to(tl.int64)
     offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
     mask_c = offs_c < num_blocks
@@ -112,14 +112,16 @@ def indexer_score_kernel(
         val = (ordered.to(tl.int64) << 32) | tie[None, :]  # the sort key
     else:
         val = score
-    tl.store(dst, val, mask=(srow < seq_len)[:, None] & mask_c[None, :])
+    tl.store(dst, val, mask=((offs_s < S_TILE) & (srow < seq_len))[:, None] & mask_c[None, :])
 
 
 BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
 
 
 def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpret: bool) -> dict:
-    """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel.
+    """(BLOCK_B, BLOCK_R, BLOCK_D, num_warps) of the score kernel; a config may also carry
+    ``S_TILE`` (rows per program, default ``min(16, S)``; ``benchmarks/tune_indexer.py`` sweeps
+    1 / 2 / 4 at S = 8: one row per program is the S = 1 kernel on S times the programs).
 
     A decode step's scores are a small, latency-bound job (T = 128K: 2K blocks, 1 MB of fp32
     keys), so the key tile is the smallest that keeps the grid within one wave: BLOCK_B = the
@@ -155,7 +157,8 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     cfg = dict(cfg)
     di_pad = max(16, next_pow2(di))
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
-    grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, BLOCK_S), b)
+    s_tile = cfg.pop("S_TILE", None) or min(BLOCK_S, s)  # rows per program
+    grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     indexer_score_kernel[grid](
         **pdl_kwargs(index_query),
         q_ptr=index_query,
@@ -174,7 +177,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         DI=di,
         DI_PAD=di_pad,
         BLOCK_S=BLOCK_S,
-        S_TILE=min(BLOCK_S, s),
+        S_TILE=s_tile,
         IS_FIRST_PROMPT=is_first_prompt,
         OUT_KEYS=out_keys,
         **cfg,
