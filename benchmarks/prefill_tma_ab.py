@@ -42,8 +42,7 @@ def variants(h: int) -> list[tuple[str, dict]]:
     # default: persistent, dynamic work claims, ORDER 2 (KV groups), 2 Q slots (H <= 128)
     out += [("gluon", _gl()), ("gluon_q1", _gl(Q_SLOTS=1)), ("gluon_order1", _gl(ORDER=1)),
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
-    if h == 128:  # 64-key tiles, 4 stages (64 + 4 * 32 KiB with 2 Q slots)
-        out += [("gluon_bn64_st4", _gl(BLOCK_N=64, STAGES=4))]
+    out += [("gluon_epi_smem", _gl(EPILOGUE_SMEM=True))]  # 16-byte output stores
     return out
 
 

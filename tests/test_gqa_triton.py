@@ -461,7 +461,15 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
                                   "prefill-first-fp16-h128-odd"])  # fmt: skip
 @pytest.mark.parametrize(
     "variant",
-    ["default", "bn64_st3", "one_item_per_cta", "static", "dynamic_row_major", "head_major"],
+    [
+        "default",
+        "bn64_st3",
+        "one_item_per_cta",
+        "static",
+        "dynamic_row_major",
+        "head_major",
+        "epilogue_smem",
+    ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
     """The Gluon warp-specialized prefill (sm_90) against fp64, on ragged caches whose rows
@@ -472,7 +480,8 @@ def test_prefill_gluon_gpu(name, variant, device):
     over = dict(default={}, bn64_st3=dict(BLOCK_N=64, STAGES=3),
                 one_item_per_cta=dict(PERSISTENT=False, DYNAMIC=False, Q_SLOTS=1),
                 static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
-                dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1))[variant]  # fmt: skip
+                dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1),
+                epilogue_smem=dict(EPILOGUE_SMEM=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

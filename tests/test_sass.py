@@ -90,7 +90,12 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
 
 @pytest.mark.parametrize(
     "shape",
-    ["HEAD=128,BLOCK_N=128", "HEAD=256,BLOCK_N=64,Q_SLOTS=1", "HEAD=128,BLOCK_N=128,DYNAMIC=False"],
+    [
+        "HEAD=128,BLOCK_N=128",
+        "HEAD=256,BLOCK_N=64,Q_SLOTS=1",
+        "HEAD=128,BLOCK_N=128,DYNAMIC=False",
+        "HEAD=128,BLOCK_N=128,EPILOGUE_SMEM=True",
+    ],
 )
 def test_prefill_gluon_compiles_warp_specialized(shape):
     """The Gluon prefill (no interpreter exists for it) compiles for sm_90 as designed: 168
@@ -110,3 +115,6 @@ def test_prefill_gluon_compiles_warp_specialized(shape):
     atomics = sum(c for op, c in hist.items() if op.startswith("ATOMG"))
     assert atomics == (0 if "DYNAMIC=False" in shape else 2), hist  # first claim + loop claim
     assert not any(op.startswith("MEMBAR") for op in hist), hist
+    # output rows: 16-byte stores through shared memory, else 4-byte ones from the accumulator
+    wide = "EPILOGUE_SMEM=True" in shape
+    assert ("STG.E.128" in res["memory"]) == wide and ("STG.E" in res["memory"]) != wide, res

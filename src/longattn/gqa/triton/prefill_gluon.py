@@ -66,6 +66,14 @@ def _wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
+@gluon.constexpr_function
+def _row_store_layout(head):
+    """Blocked layout of a [64, head] 16-bit output tile for 16-byte row-contiguous stores, one
+    warpgroup (4 warps)."""
+    tpc = min(32, head // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [4, 1], [1, 0])
+
+
 @gluon.jit
 def _item_head(w, n_bn, n_m, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                ORDER: gl.constexpr):  # fmt: skip
@@ -274,12 +282,14 @@ def _consumer(
     softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
+    EPILOGUE_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
-    producer loads the next item)."""
+    producer loads the next item); EPILOGUE_SMEM: the rows pass through the item's Q tile
+    (released after) to leave as 16-byte row-contiguous stores instead of the accumulator
+    layout's 4-byte ones."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -297,7 +307,8 @@ def _consumer(
             it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
             kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-        mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
+        if not EPILOGUE_SMEM:
+            mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
         l_i = gl.convert_layout(l_i, row_o)
         if HAS_SINK:
@@ -309,7 +320,21 @@ def _consumer(
         acc = normalize(acc, l_i)
         rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
         acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
-        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        o_tile = acc.to(o_ptr.dtype.element_ty)
+        if EPILOGUE_SMEM:  # through the free Q tile: 16-byte row-contiguous global stores
+            st_layout: gl.constexpr = _row_store_layout(HEAD)
+            q_tile = q_smem.index(2 * qs + WG)
+            o_smem = q_tile._reinterpret(o_ptr.dtype.element_ty, [ROWS_PER_WG, HEAD],
+                                         q_tile.layout)  # fmt: skip
+            o_smem.store(o_tile)
+            gl.thread_barrier()
+            o_tile = o_smem.load(st_layout)  # [64, HEAD]
+            gl.thread_barrier()  # every lane read the tile before the producer may refill it
+            mbarrier.arrive(q_empty.index(qs), count=1)
+            rows = r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, st_layout))
+            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, st_layout))
+        else:
+            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (
             o_ptr
             + b.to(gl.int64) * stride_ob
@@ -317,7 +342,7 @@ def _consumer(
             + n * HEAD
             + gl.expand_dims(cols, 0)
         )
-        gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(rows < seq_len, 1))
+        gl.store(o_ptrs, o_tile, mask=gl.expand_dims(rows < seq_len, 1))
         item += 1
         b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
 
@@ -353,6 +378,7 @@ def gqa_prefill_gluon_kernel(
     CONSUMER_REGS: gl.constexpr,
     ORDER: gl.constexpr,  # work order: 0 row blocks, 1 heads, 2 KV groups (see _item_head)
     DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
+    EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -380,11 +406,13 @@ def gqa_prefill_gluon_kernel(
             (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
-                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
+                         EPILOGUE_SMEM)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
-                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR)),
+                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
+                         EPILOGUE_SMEM)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES,
