@@ -42,7 +42,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
     # default: persistent, dynamic work claims, ORDER 2 (KV groups), 2 Q slots (H <= 128)
     out += [("gluon", _gl()), ("gluon_q1", _gl(Q_SLOTS=1)), ("gluon_order1", _gl(ORDER=1)),
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
-    out += [("gluon_epi_smem", _gl(EPILOGUE_SMEM=True))]  # 16-byte output stores
+    out += [
+        ("gluon_epi_smem", _gl(EPILOGUE_SMEM=True)),  # 16-byte output stores
+        ("gluon_lazy", _gl(LAZY_RESCALE=True)),
+    ]  # conditional accumulator rescaling
     return out
 
 

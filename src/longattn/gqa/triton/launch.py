@@ -257,10 +257,13 @@ def prefill_gluon_config(head: int) -> dict:
     (0: every head's last row block first; 1: a head's row blocks heaviest first, then the next
     head's; 2: as 1 with the heads of one KV head interleaved); see
     ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through shared memory as
-    16-byte stores (not measured yet; spills 40 B at H=256)."""
+    16-byte stores (not measured yet; spills 40 B at H=256). LAZY_RESCALE: rescale the
+    accumulator only when a row max grew by > 2^8 (not measured yet; at H=256 the branch costs
+    ~146 register moves per tile)."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
-                PERSISTENT=True, DYNAMIC=True, ORDER=2, EPILOGUE_SMEM=False)  # fmt: skip
+                PERSISTENT=True, DYNAMIC=True, ORDER=2, EPILOGUE_SMEM=False,
+                LAZY_RESCALE=False)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
