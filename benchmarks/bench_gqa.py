@@ -310,8 +310,21 @@ def cache_dtypes(rows, copy_tbs):
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes
-                for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 4, 3), (256, 8, 2)):
+                # V_WORDS: int8 V by 4-byte words (168 registers instead of 255, see decode.py)
+                for bn, w, st, vw in (
+                    (64, 4, 4, False),
+                    (128, 4, 4, False),
+                    (128, 8, 3, False),
+                    (256, 4, 3, False),
+                    (256, 8, 2, False),
+                    (128, 4, 3, True),
+                    (64, 4, 4, True),
+                    (128, 8, 3, True),
+                    (128, 4, 2, True),
+                ):
                     cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                    if vw:
+                        cfg["V_WORDS"] = True
                     us = _graph_time_or_none(_decode_fn(p, cfg), sets)
                     gbs = nbytes / (us * 1e-6) / 1e9 if us else None
                     rows.append(dict(section="tune-int8", B=b, T=t, cfg=str(cfg), graph_us=us,

@@ -312,6 +312,21 @@ def test_decode_interpret(name, device):
     _run_and_check(DECODE_CASES[name], device)
 
 
+_INT8_DECODE = [
+    n for n, c in DECODE_CASES.items() if c.cache == torch.int8 and c.act != torch.float32
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", _INT8_DECODE)
+def test_decode_int8_v_words_interpret(name, device, monkeypatch):
+    """int8 V read as 4-byte words and converted in a row-major layout (``V_WORDS``, the P.V
+    operand then built from fp16 through shared memory): same results as the byte path."""
+    orig = launch.decode_config
+    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), V_WORDS=True))
+    _run_and_check(DECODE_CASES[name], device)
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["causal-past", "window-softcap", "sink-bias-full",
                                   "first-bias-batch-qknorm"])  # fmt: skip
@@ -494,6 +509,15 @@ def test_prefill_gluon_gpu(name, variant, device):
         _run_and_check(c, device)
     finally:
         launch.prefill_gluon_config = orig
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64"])
+def test_decode_int8_v_words_gpu(name, device, monkeypatch):
+    """The V_WORDS int8 V path (inline-PTX word conversion) on real shapes against fp64."""
+    orig = launch.decode_config
+    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), V_WORDS=True))
+    _run_and_check(GPU_CASES[name], device)
 
 
 @pytest.mark.gpu

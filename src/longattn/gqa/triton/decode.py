@@ -38,6 +38,7 @@ def _decode_block(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
+    V_WORDS: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
@@ -60,7 +61,8 @@ def _decode_block(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False)
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False,
+                     V_WORDS)  # fmt: skip
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
@@ -72,6 +74,7 @@ def _decode_range(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
+    V_WORDS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
@@ -83,7 +86,7 @@ def _decode_range(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, V_WORDS,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -92,7 +95,7 @@ def _decode_range(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, V_WORDS,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -146,6 +149,7 @@ def gqa_decode_split_kernel(
     PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    V_WORDS: tl.constexpr = False,  # int8 V -> fp16 by 4-byte words (``_core.load_kv_tile``)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     kvh = tl.program_id(0)
@@ -198,14 +202,14 @@ def gqa_decode_split_kernel(
         full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, V_WORDS=V_WORDS, INTERPRET=INTERPRET,
     )  # fmt: skip
     acc, m_i, l_i = _decode_range(
         acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
         end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, V_WORDS=V_WORDS, INTERPRET=INTERPRET,
     )  # fmt: skip
 
     o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
@@ -227,7 +231,12 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     cache. The int8 loop is instruction-issue bound (sm_90 SASS, BLOCK_N=128: 1023
     instructions per tile; 1081 with bf16 K, 1518 before the fp16 V conversion): it runs at
     the 255-register limit (~200 register moves per tile), and V's bytes reach the P.V MMA
-    layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key."""
+    layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key.
+    ``V_WORDS`` reads V as 4-byte words converted in a row-major layout (the P.V operand then
+    comes from fp16 in shared memory by ldmatrix.trans): sm_90 SASS at BLOCK_N=128, 3 stages:
+    941 instructions per unmasked tile (1023 without), 168 registers (255), 104 KiB shared
+    memory (72); not measured on the GPU yet, so only a config that sets ``V_WORDS=True`` takes
+    it (the GQA split kernel alone: the DSA and paged kernels share this config without it)."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:

@@ -405,6 +405,9 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     b, s = q_rot.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     cfg = dict(cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret()))
+    if cfg.get("V_WORDS"):  # int8 V read as int32 words: 4-byte aligned rows only
+        v = present_value
+        cfg["V_WORDS"] = v.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in v.stride()[:-1])
     span = p.total_sequence_length
     if p.local_window_size > 0:
         span = min(span, p.local_window_size + s - 1)
