@@ -144,7 +144,7 @@ def _presets(cache: str):
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
-                            V_WORDS=False,
+                            V_WORDS=False, PREFETCH_ROWS=0,
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va")},

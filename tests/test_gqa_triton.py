@@ -27,7 +27,7 @@ from longattn._attention_torch import (
     sink_logits,
 )
 from longattn._rotary import rope_cache
-from longattn._triton_utils import tma_ok
+from longattn._triton_utils import interpret, tma_ok
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
@@ -518,6 +518,33 @@ def test_decode_int8_v_words_gpu(name, device, monkeypatch):
     orig = launch.decode_config
     monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), V_WORDS=True))
     _run_and_check(GPU_CASES[name], device)
+
+
+def _prefetch_matches_default(device, c):
+    """Decode with ``PREFETCH_ROWS`` (the prologue releases the split kernel early, which
+    L2-prefetches cache rows before its PDL wait) gives the default run's bits exactly."""
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    pk1, pv1, pk2, pv2 = pk.clone(), pv.clone(), pk.clone(), pv.clone()
+    base = gqa_triton(query, key, value, pk1, pv1, seqlens, p, num_splits=c.num_splits)
+    cfg = dict(launch.decode_config(c.h, query.dtype, pk.dtype, interpret()), PREFETCH_ROWS=32)
+    got = gqa_triton(query, key, value, pk2, pv2, seqlens, p, decode_cfg=cfg,
+                     num_splits=c.num_splits)  # fmt: skip
+    torch.testing.assert_close(got, base, atol=0, rtol=0)
+    torch.testing.assert_close(pk2, pk1, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(pv2, pv1, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["group8-int8pc-splits2", "s3-bias-batch-fp32-splits3"])
+def test_decode_prefetch_interpret(name, device):
+    _prefetch_matches_default(device, DECODE_CASES[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-bf16-h128-32k", "decode-int8pc-bf16-32k-sink",
+                                  "decode-fp16cache-h256-window"])  # fmt: skip
+def test_decode_prefetch_gpu(name, device):
+    _prefetch_matches_default(device, GPU_CASES[name])
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._cascade import _truthy, cuda_capability, interpreter_active
 
@@ -128,3 +128,30 @@ def wait_prior_grids(PDL: tl.constexpr):
     """First statement of a kernel launched with ``pdl_kwargs``: wait for the previous grid."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Let the next PDL-launched kernel of the stream start now (once every program of this one
+    has called this), rather than when this grid drains. Its programs still block in their
+    ``wait_prior_grids`` until this grid has completed; only work placed before that wait (an
+    L2 prefetch of cache rows this kernel does not write) overlaps this kernel. Only with PDL
+    (the interpreter has no grid dependencies)."""
+    if PDL:
+        if EARLY:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, INTERPRET: tl.constexpr):
+    """``prefetch.global.L2`` of the 128-byte lines at ``ptrs`` (no effect on values; nothing
+    in the interpreter)."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            asm="prefetch.global.L2 [$1];",
+            constraints="=r,l",
+            args=[ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import wait_prior_grids
+from ..._triton_utils import prefetch_l2, wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
@@ -101,6 +101,30 @@ def _decode_range(
 
 
 @triton.jit
+def _prefetch_split(
+    k_ptr, v_ptr, seqlens_ptr, max_total, seq_len, window, chunk, b64, kvh, split, stride_kb,
+    stride_kh, stride_kc, stride_vb, stride_vh, stride_vc, HEAD: tl.constexpr,
+    ROWS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """L2 prefetch of the first ROWS K and V rows of this program's split (every 128-byte
+    line); rows past the sequence are clamped onto its last row."""
+    total_len = load_total_len(seqlens_ptr, b64, max_total)
+    offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(offset - window + 1, 0)
+    rows = kv_lo + split * chunk + tl.arange(0, ROWS)  # [ROWS]
+    rows = tl.maximum(tl.minimum(rows, total_len - 1), 0).to(tl.int64)
+    line: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 B
+    lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES] first element of each line
+    k_rows = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh + rows * stride_kc
+    v_rows = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh + rows * stride_vc
+    prefetch_l2(k_rows[:, None] + lines[None, :], INTERPRET)
+    prefetch_l2(v_rows[:, None] + lines[None, :], INTERPRET)
+
+
+@triton.jit
 def gqa_decode_split_kernel(
     q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
     k_ptr,  # [B, KV, C, HEAD] cache
@@ -150,12 +174,20 @@ def gqa_decode_split_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     V_WORDS: tl.constexpr = False,  # int8 V -> fp16 by 4-byte words (``_core.load_kv_tile``)
+    PREFETCH_ROWS: tl.constexpr = 0,  # L2-prefetch this many cache rows before the PDL wait
 ):
-    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
+    if PREFETCH_ROWS > 0:
+        # Before the wait (the prologue may still be running, having released this kernel
+        # early): seqlens is not written by the prologue, and a prefetch only warms L2, which
+        # the prologue's append writes through, so no value read later can be stale.
+        _prefetch_split(k_ptr, v_ptr, seqlens_ptr, max_total, seq_len, window, chunk, b64, kvh,
+                        split, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+                        HEAD, PREFETCH_ROWS, IS_FIRST_PROMPT, HAS_WINDOW, INTERPRET)  # fmt: skip
+    wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     total_len = load_total_len(seqlens_ptr, b, max_total)
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
 

@@ -104,10 +104,11 @@ def _logit_scalars(p: GQAParams) -> tuple[float, float]:
 
 
 def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                 q_scale=None):  # fmt: skip
+                 q_scale=None, early_release=False):  # fmt: skip
     """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches.
     ``q_scale [B, S, N]`` fp32 (int8 K, fp16 q_rot): receives each Q row's power-of-two factor
-    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
+    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled. ``early_release``: the
+    next (PDL) kernel may start while this one runs (``release_dependents``)."""
     b, s, _ = query.shape
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     if key is None:  # packed QKV
@@ -125,6 +126,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     grid = (b * s, cdiv(n, block_h) + cdiv(kv, block_h))
     gqa_prologue_kernel[grid](
         **pdl_kwargs(query),
+        EARLY_RELEASE=early_release,
         q_ptr=query,
         k_ptr=key,
         v_ptr=value,
@@ -505,8 +507,12 @@ def gqa_triton(
     dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
     q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
     q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
+    # a decode config with PREFETCH_ROWS (off by default, not measured yet): the split kernel
+    # starts during the prologue and L2-prefetches its first cache rows before its PDL wait
+    early = path == "decode" and bool((decode_cfg or {}).get("PREFETCH_ROWS"))
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale,
+                 early)  # fmt: skip
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
                    q_scale)  # fmt: skip

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2, wait_prior_grids
+from ..._triton_utils import next_pow2, release_dependents, wait_prior_grids
 
 _RINT_MAGIC = tl.constexpr(
     12582912.0
@@ -186,8 +186,10 @@ def gqa_prologue_kernel(
     V_QUANT: tl.constexpr,
     Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    EARLY_RELEASE: tl.constexpr = False,  # the next kernel may start now (release_dependents)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    release_dependents(PDL, EARLY_RELEASE)
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
     s = (tok % seq_len).to(tl.int64)
