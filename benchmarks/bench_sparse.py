@@ -30,6 +30,7 @@ queries/selections so the gathered rows are not found in L2 (the caches are far 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -223,6 +224,19 @@ def _layer_step_b(layer, seqlens, t, x):
     return _layer_step(layer, x, seqlens, t, BUDGET)
 
 
+@contextlib.contextmanager
+def _dsa_prefetch(rows):
+    """The DSA tier's default config with ``PREFETCH_ROWS = rows`` (not the default yet)."""
+    from longattn.sparse.triton import decode as dsa_decode
+
+    orig = dsa_decode.decode_config
+    dsa_decode.decode_config = lambda *a: dict(orig(*a), PREFETCH_ROWS=rows)
+    try:
+        yield
+    finally:
+        dsa_decode.decode_config = orig
+
+
 def layer_section(rows, layers, copy_tbs, chains):
     for b in (1, 4):
         layer = layers[(b, torch.bfloat16)]
@@ -242,6 +256,8 @@ def layer_section(rows, layers, copy_tbs, chains):
                 c_layer = _chain_us(_layer_step_b, chain, s, t, BUDGET)
                 c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
+                with _dsa_prefetch(64):  # DSA released early by the prologue, L2 prefetch
+                    c_layer_pf = _chain_us(_layer_step_b, chain, s, t, BUDGET)
                 r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
                          dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
                          dense_gqa_us=round(t_dense, 2),
@@ -250,7 +266,8 @@ def layer_section(rows, layers, copy_tbs, chains):
                          dsa_vs_copy_BW=round(tbs / copy_tbs, 3),
                          chain_layer_us=round(c_layer, 2), chain_dsa_us=round(c_dsa, 2),
                          chain_dense_us=round(c_dense, 2),
-                         chain_dense_over_sparse=round(c_dense / c_layer, 2))  # fmt: skip
+                         chain_dense_over_sparse=round(c_dense / c_layer, 2),
+                         chain_layer_prefetch_us=round(c_layer_pf, 2))  # fmt: skip
                 rows.append(r)
                 print(r, flush=True)
                 del sets

@@ -153,6 +153,7 @@ def _presets(cache: str):
                        dict(NUM_HEADS=24, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16, BLOCK_N=32,
                             IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
                             HAS_VSCALE=cache == "i8", INTERPRET=False, PDL=False,
+                            PREFETCH_ROWS=0,
                             **{f"{a}_{b}_{c}": (tl.bfloat16 if c == "DTYPE" else "tf32")
                                for a in ("MAIN", "SEL") for b in ("QK", "PV")
                                for c in ("DTYPE", "PREC")}), 4, 3),

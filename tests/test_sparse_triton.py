@@ -429,17 +429,23 @@ def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
     assert torch.equal(out[4].cpu(), torch.zeros(head))
 
 
-def _run_with_splits(kw, num_splits, prologue=None):
-    """Call the tier directly (tuning hooks) through the API's validation and allocation."""
+def _run_with_splits(kw, num_splits, prologue=None, prefetch=0):
+    """Call the tier directly (tuning hooks) through the API's validation and allocation;
+    ``prefetch``: the default config with that many ``PREFETCH_ROWS``."""
     from longattn.sparse import api
 
     captured = {}
     orig = api._run
 
     def fake_run(query, key, value, pk, pv, aux_k, aux_v, sel, cnt, seqlens_k, p, backend):
+        cfg = None
+        if prefetch:
+            qd = decode.q_dtype_for(p, query.dtype, pk.dtype)
+            cfg = dict(decode.decode_config(p.head_size, qd, pk.dtype, decode._interpret()),
+                       PREFETCH_ROWS=prefetch)  # fmt: skip
         captured["out"] = decode.dsa_triton(
             query, key, value, pk, pv, aux_k, aux_v, sel, cnt, seqlens_k, p,
-            num_splits=num_splits, prologue=prologue,
+            num_splits=num_splits, prologue=prologue, cfg=cfg,
         )  # fmt: skip
         return captured["out"]
 
@@ -449,6 +455,19 @@ def _run_with_splits(kw, num_splits, prologue=None):
     finally:
         api._run = orig
     return captured["out"]
+
+
+@interpret
+@pytest.mark.parametrize("mode", ["selected_only", "local_plus_selected"])
+def test_dsa_prefetch_changes_nothing(mode):
+    """``PREFETCH_ROWS`` (the split kernel released early by the prologue prefetches its
+    selected rows into L2 before its PDL wait): the same bits as the default, invalid and
+    out-of-range entries included."""
+    kw = build(31, mode=mode, h=32, m=40, window=20, s=2, counts="full")
+    kw["selected_indices"][0, :3] = torch.tensor([-1, 10**6, 5])
+    base = _run_with_splits(_clone(kw), 3)
+    got = _run_with_splits(_clone(kw), 3, prefetch=8)
+    torch.testing.assert_close(got, base, rtol=0, atol=0)
 
 
 @interpret
@@ -660,6 +679,16 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
     )  # fmt: skip
     out, _, _ = check_dsa(kw)
     assert torch.isfinite(out).all()
+
+
+@gpu
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.int8])
+def test_gpu_dsa_prefetch_changes_nothing(cache):
+    kw = build(23, device="cuda", b=2, h=256, n=24, kv=4, past=(5000, 70000), m=2111,
+               dtype=torch.bfloat16, cache_dtype=cache)  # fmt: skip
+    base = _run_with_splits(_clone(kw), None)
+    got = _run_with_splits(_clone(kw), None, prefetch=64)
+    torch.testing.assert_close(got, base, rtol=0, atol=0)
 
 
 @gpu

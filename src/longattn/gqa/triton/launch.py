@@ -510,7 +510,9 @@ def gqa_triton(
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
     # a decode config with PREFETCH_ROWS (off by default, not measured yet): the split kernel
     # starts during the prologue and L2-prefetches its first cache rows before its PDL wait
-    early = path == "decode" and bool((decode_cfg or {}).get("PREFETCH_ROWS"))
+    if path == "decode":
+        decode_cfg = decode_cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret())
+    early = path == "decode" and bool(decode_cfg.get("PREFETCH_ROWS"))
     run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale,
                  early)  # fmt: skip
     if path == "decode":

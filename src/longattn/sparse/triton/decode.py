@@ -37,7 +37,7 @@ import triton.language as tl
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, wait_prior_grids
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, prefetch_l2, wait_prior_grids
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -123,6 +123,29 @@ def _attend_tile(
 
 
 @triton.jit
+def _prefetch_selected(
+    kc_ptr, vc_ptr, sel_ptr, cnt_ptr, seq_len, cap, max_sel, chunk, win_splits, split, kvh, row,
+    stride_sel_r, stride_sel_j, stride_cnt, stride_kcb, stride_kch, stride_kcc, stride_vcb,
+    stride_vch, stride_vcc, HEAD: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """L2 prefetch of the main-cache K and V rows of this split's first ROWS selected
+    candidates (every 128-byte line); indices are clamped into the cache (invalid entries only
+    prefetch a row that is never read)."""
+    b = row // seq_len
+    cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
+    j = (split - win_splits).to(tl.int64) * chunk + tl.arange(0, ROWS)  # [ROWS]
+    ok = (split >= win_splits) & (j < tl.minimum(cnt, max_sel))
+    idx = tl.load(sel_ptr + row * stride_sel_r + j * stride_sel_j, mask=ok, other=0)
+    idx = tl.minimum(tl.maximum(idx.to(tl.int64), 0), cap - 1)  # [ROWS]
+    line: tl.constexpr = 1024 // kc_ptr.dtype.element_ty.primitive_bitwidth  # elements / 128 B
+    lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES]
+    k_rows = kc_ptr + b * stride_kcb + kvh * stride_kch + idx * stride_kcc
+    v_rows = vc_ptr + b * stride_vcb + kvh * stride_vch + idx * stride_vcc
+    prefetch_l2(k_rows[:, None] + lines[None, :], INTERPRET)
+    prefetch_l2(v_rows[:, None] + lines[None, :], INTERPRET)
+
+
+@triton.jit
 def dsa_split_kernel(
     q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype; int8 K: * k_scale), contiguous
     qa_ptr,  # the same without the k_scale fold (for auxiliary K; == q_ptr when no fold)
@@ -182,11 +205,21 @@ def dsa_split_kernel(
     SEL_PV_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    PREFETCH_ROWS: tl.constexpr = 0,  # L2-prefetch this many selected rows before the PDL wait
 ):
-    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     row = tl.program_id(2).to(tl.int64)
+    if PREFETCH_ROWS > 0:
+        if not SEL_AUX:
+            # Before the wait (the prologue may still run, having released this kernel early):
+            # the selection was complete before the prologue started, and a prefetch only
+            # warms L2, which the prologue's append writes through.
+            _prefetch_selected(kc_ptr, vc_ptr, sel_ptr, cnt_ptr, seq_len, cap, max_sel, chunk,
+                               win_splits, split, kvh, row, stride_sel_r, stride_sel_j,
+                               stride_cnt, stride_kcb, stride_kch, stride_kcc, stride_vcb,
+                               stride_vch, stride_vcc, HEAD, PREFETCH_ROWS, INTERPRET)  # fmt: skip
+    wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     b = row // seq_len
     s = row % seq_len
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
@@ -335,7 +368,17 @@ def triton_prologue_fits(p: DSAParams) -> bool:
 
 
 def run_prologue(
-    query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton, q_plain=None
+    query,
+    key,
+    value,
+    present_key,
+    present_value,
+    seqlens_k,
+    p,
+    q_rot,
+    use_triton,
+    q_plain=None,
+    early_release=False,
 ):
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
@@ -343,11 +386,13 @@ def run_prologue(
 
     ``use_triton``: the GQA tier's one-pass Triton prologue (``gqa.triton.launch.run_prologue``,
     whose contract DSAParams satisfies); else the shared torch prologue (fp32 math).
+    ``early_release``: the Triton prologue lets the split kernel start while it runs.
     """
     if use_triton:
         from ...gqa.triton.launch import run_prologue as gqa_prologue
 
-        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
+        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
+                     early_release=early_release)  # fmt: skip
         return
 
     qf, _, _ = prepare_from_params(
@@ -405,8 +450,21 @@ def dsa_triton(
     q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
+    # a cfg with PREFETCH_ROWS (off by default, not measured yet): the split kernel starts
+    # during the prologue and L2-prefetches its selected rows before its PDL wait
+    early = bool((cfg or {}).get("PREFETCH_ROWS"))
     run_prologue(
-        query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton, q_plain
+        query,
+        key,
+        value,
+        present_key,
+        present_value,
+        seqlens_k,
+        p,
+        q_rot,
+        use_triton,
+        q_plain,
+        early,
     )
 
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
