@@ -44,8 +44,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
     out += [
         ("gluon_epi_smem", _gl(EPILOGUE_SMEM=True)),  # 16-byte output stores
-        ("gluon_lazy", _gl(LAZY_RESCALE=True)),
-    ]  # conditional accumulator rescaling
+        ("gluon_lazy", _gl(LAZY_RESCALE=True)),  # conditional accumulator rescaling
+        ("gluon_qhalf", _gl(Q_HALF_REGS=True)),  # half of Q as QK^T's register operand
+    ]
     return out
 
 

@@ -485,6 +485,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "head_major",
         "epilogue_smem",
         "lazy_rescale",
+        "q_half_regs",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -498,7 +499,8 @@ def test_prefill_gluon_gpu(name, variant, device):
                 static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
                 dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1),
                 epilogue_smem=dict(EPILOGUE_SMEM=True),
-                lazy_rescale=dict(LAZY_RESCALE=True))[variant]  # fmt: skip
+                lazy_rescale=dict(LAZY_RESCALE=True),
+                q_half_regs=dict(Q_HALF_REGS=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -96,6 +96,7 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
         "HEAD=128,BLOCK_N=128,DYNAMIC=False",
         "HEAD=128,BLOCK_N=128,EPILOGUE_SMEM=True",
         "HEAD=128,BLOCK_N=128,LAZY_RESCALE=True",
+        "HEAD=256,BLOCK_N=64,Q_SLOTS=1,Q_HALF_REGS=True",
     ],
 )
 def test_prefill_gluon_compiles_warp_specialized(shape):
@@ -105,9 +106,9 @@ def test_prefill_gluon_compiles_warp_specialized(shape):
     (no memory fence around them)."""
     res = _sass("gqa-prefill-gluon", "--set", shape)
     hist = res["hist"]
-    # H=256: a consumer keeps one item-invariant value on the stack (one STL per CTA, one LDL
+    # H=256: a consumer keeps item-invariant values on the stack (STL once per CTA, LDL
     # per item); nothing local in the tile loops (loops with wgmma but no output store)
-    assert res["regs"] == 168 and res["stack"] <= 16, res
+    assert res["regs"] == 168 and res["stack"] <= 32, res
     tile_loops = [c for c in res["loops"] if c.get("HGMMA", 0) and not c.get("STG", 0)]
     assert tile_loops and not any(c.get("LDL", 0) + c.get("STL", 0) for c in tile_loops), res
     assert hist.get("USETMAXREG", 0) >= 2 and hist.get("UTMALDG", 0) >= 4, hist

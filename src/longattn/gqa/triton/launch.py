@@ -261,11 +261,14 @@ def prefill_gluon_config(head: int) -> dict:
     ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through shared memory as
     16-byte stores (not measured yet; spills 40 B at H=256). LAZY_RESCALE: rescale the
     accumulator only when a row max grew by > 2^8 (not measured yet; at H=256 the branch costs
-    ~146 register moves per tile)."""
+    ~146 register moves per tile). Q_HALF_REGS: the first half of Q's channels is QK^T's
+    register A operand, so half its k-steps read only K from shared memory (at H=256 with
+    BLOCK_N 64 the shared-memory QK^T needs ~100% of the SM's 128 B/clk at the tensor peak);
+    not measured yet (H=256: 32 B of spills outside the tile loop)."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
                 PERSISTENT=True, DYNAMIC=True, ORDER=2, EPILOGUE_SMEM=False,
-                LAZY_RESCALE=False)  # fmt: skip
+                LAZY_RESCALE=False, Q_HALF_REGS=False)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
