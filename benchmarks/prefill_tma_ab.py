@@ -78,16 +78,24 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds: every variant once per round, the order rotated "
                          "each round (clock / power drift lands on all variants alike)")  # fmt: skip
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to run (default: all; the first one "
+                         "given is the maxdiff reference)")  # fmt: skip
+    ap.add_argument("--heads", default="128,256")
+    ap.add_argument("--seqs", default="2048,8192,32768")
     args = ap.parse_args(argv)
+    keep = [v for v in args.variants.split(",") if v]
     rows = []
-    for h in (128, 256):
-        for s in (2048, 8192, 32768):
+    for h in (int(x) for x in args.heads.split(",")):
+        for s in (int(x) for x in args.seqs.split(",")):
             b = max(1, 16384 // s)
             sets, p = bg._prefill_sets(b, s, h, 2 if s < 32768 else 1)
             asets = bg._attn_sets_from(sets, p, h)
             flops = 4 * b * bg.N * h * s * s / 2
             runs, ref = [], None
-            for name, cfg in variants(h):
+            chosen = [v for v in variants(h) if not keep or v[0] in keep]
+            chosen.sort(key=lambda v: keep.index(v[0]) if keep else 0)
+            for name, cfg in chosen:
                 got = _check(p, name, cfg, asets[0])
                 if got is None:
                     continue
