@@ -113,6 +113,7 @@ def memory_ops(sass: str) -> Counter:
 
 
 def _presets(cache: str):
+    from gluon_wgmma_probe import wgmma_paths_kernel
     from longattn.gqa.triton.decode import gqa_decode_split_kernel
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.gqa.triton.prefill_gluon import gqa_prefill_gluon_kernel
@@ -168,6 +169,8 @@ def _presets(cache: str):
                           dict(NI=16, DI=128, DI_PAD=128, BLOCK_B=16, BLOCK_S=16, S_TILE=1,
                                BLOCK_R=16, BLOCK_D=128, IS_FIRST_PROMPT=False, OUT_KEYS=False,
                                PDL=False), 4, 1),
+        "wgmma-probe": (wgmma_paths_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32"},
+                        dict(M=64, N=64, K=256), 4, 1),
         "indexer-select": (indexer_select_kernel,
                            {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
@@ -187,7 +190,7 @@ def _value(text: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=["gqa-prefill", "gqa-prefill-gluon", "gqa-decode", "dsa-decode", "rms", "indexer-score",
-                                       "indexer-select"])  # fmt: skip
+                                       "indexer-select", "wgmma-probe"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)
@@ -228,6 +231,7 @@ def main(argv=None):
                     shared=res["shared"],
                     memory=memory_ops(res["sass"]),
                     loops=loops(res["sass"]),
+                    hgmma_rs=len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", res["sass"])),
                 )
             )
         )

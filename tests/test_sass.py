@@ -117,6 +117,21 @@ def test_prefill_gluon_compiles_warp_specialized(shape):
     atomics = sum(c for op, c in hist.items() if op.startswith("ATOMG"))
     assert atomics == (0 if "DYNAMIC=False" in shape else 2), hist  # first claim + loop claim
     assert not any(op.startswith("MEMBAR") for op in hist), hist
+    # wgmma instructions with a register A operand: each consumer's P.V (BLOCK_N / 16 k-steps)
+    # and, with Q_HALF_REGS, the first half of its QK^T (HEAD / 32 k-steps)
+    h = 256 if "HEAD=256" in shape else 128
+    bn = 64 if h == 256 else 128
+    pv = 2 * bn // 16
+    qk_half = 2 * (h // 2) // 16 if "Q_HALF_REGS=True" in shape else 0
+    assert res["hgmma_rs"] == pv + qk_half, (res["hgmma_rs"], pv, qk_half)
     # output rows: 16-byte stores through shared memory, else 4-byte ones from the accumulator
     wide = "EPILOGUE_SMEM=True" in shape
     assert ("STG.E.128" in res["memory"]) == wide and ("STG.E" in res["memory"]) != wide, res
+
+
+def test_wgmma_probe_compiles_all_three_operand_paths():
+    """``benchmarks/gluon_wgmma_probe.py`` (the GPU check of the register-operand paths): for
+    K = 256, 16 k-steps of A from shared memory, 16 of A from registers, and 8 + 8 split."""
+    res = _sass("wgmma-probe")
+    assert res["hist"].get("HGMMA", 0) == 48 and res["hgmma_rs"] == 24, res["hist"]
+    assert res["stack"] == 0, res
