@@ -115,6 +115,25 @@ def gpu_meta() -> dict:
     }
 
 
+def gpu_state() -> dict:
+    """SM clock, power and temperature of GPU 0 now (``nvidia-smi``; {} where it is missing).
+    The lent H200s run power-capped: sampled right after a timing, this says at what clock
+    it ran (back-to-back runs of one kernel moved by up to 7%)."""
+    import subprocess
+
+    fields = ["clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu"]
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(fields)}",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        vals = [v.strip() for v in out.splitlines()[0].split(",")]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return {}
+    return {k: v for k, v in zip(fields, vals)} if len(vals) == len(fields) else {}
+
+
 def measure_ceilings(copy_bytes: int = 4 << 30, gemm_n: int = 8192) -> dict:
     """Measured in this process: D2D copy bandwidth (read + write bytes) and bf16 GEMM rate."""
     src = torch.empty(copy_bytes // 2, dtype=torch.uint8, device="cuda")

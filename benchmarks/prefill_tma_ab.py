@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_gqa as bg  # noqa: E402
-from _harness import bench, gpu_meta  # noqa: E402
+from _harness import bench, gpu_meta, gpu_state  # noqa: E402
 from longattn.gqa.triton import launch  # noqa: E402
 from longattn.gqa.triton.prefill import prefill_config  # noqa: E402
 
@@ -108,12 +108,13 @@ def main(argv=None):
                 for name, _, fn, _, _ in runs[r % len(runs) :] + runs[: r % len(runs)]:
                     res = bench(fn, asets, warmup=2, reps=4 if heavy else None, min_time_s=0.1)
                     times[name].append(res["median_us"])
+            state = gpu_state()  # right after the timings: the clock they ran at
             for name, cfg, _, maxdiff, nan in runs:
                 us = statistics.median(times[name])
                 row = dict(H=h, S=s, B=b, variant=name, cfg=str(cfg), us=us,
                            TFLOPs=flops / (us * 1e-6) / 1e12, round_us=times[name],
                            spread=(max(times[name]) - min(times[name])) / us,
-                           maxdiff_vs_base=maxdiff, nan=nan)  # fmt: skip
+                           maxdiff_vs_base=maxdiff, nan=nan, gpu_state=state)  # fmt: skip
                 print(f"  {row}", flush=True)
                 rows.append(row)
             del sets, asets
