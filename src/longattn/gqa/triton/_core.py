@@ -174,7 +174,7 @@ def load_kv_tile(
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
     KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
-    V_WORDS: tl.constexpr = False,
+    V_WORDS: tl.constexpr = False,  # int8 V by 4-byte words (see below)
 ):
     """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
 
@@ -184,7 +184,9 @@ def load_kv_tile(
 
     int8 -> fp16 (exact): K reaches its MMA operand registers four bytes (consecutive
     channels) per register, which ``int8x4_to_fp16`` converts in 5 instructions; V arrives one
-    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper."""
+    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper.
+    ``V_WORDS`` (int8 V, fp16 dot; the launcher checks 4-byte aligned rows): V is read as int32
+    words instead (``_int8_tile_words_to_fp16``)."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if V_WORDS:
         if base.dtype.element_ty == tl.int8:
