@@ -542,6 +542,26 @@ def test_decode_prefetch_interpret(name, device):
     _prefetch_matches_default(device, DECODE_CASES[name])
 
 
+@pytest.mark.interpret
+def test_decode_prefetch_in_the_default_config_releases_the_prologue_early(device, monkeypatch):
+    """A PREFETCH_ROWS from the default decode config also makes the prologue release the
+    split kernel early (the prologue runs before the decode config is otherwise read)."""
+    calls = []
+    orig_prologue, orig_cfg = launch.run_prologue, launch.decode_config
+
+    def spy(*args, **kw):
+        calls.append(args[9] if len(args) > 9 else kw.get("early_release", False))
+        return orig_prologue(*args, **kw)
+
+    monkeypatch.setattr(launch, "run_prologue", spy)
+    c = DECODE_CASES["group8-int8pc-splits2"]
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
+    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig_cfg(*a), PREFETCH_ROWS=8))
+    gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
+    assert calls == [False, True], calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["decode-bf16-h128-32k", "decode-int8pc-bf16-32k-sink",
                                   "decode-fp16cache-h256-window"])  # fmt: skip

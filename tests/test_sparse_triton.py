@@ -471,6 +471,25 @@ def test_dsa_prefetch_changes_nothing(mode):
 
 
 @interpret
+def test_dsa_prefetch_in_the_default_config_releases_the_prologue_early(monkeypatch):
+    """A PREFETCH_ROWS that comes from the default config (how bench_sparse turns it on for a
+    whole chain) also makes the prologue release the split kernel early; without it, none."""
+    calls = []
+    orig_prologue, orig_cfg = decode.run_prologue, decode.decode_config
+
+    def spy(*args, **kw):
+        calls.append(args[10] if len(args) > 10 else kw.get("early_release", False))
+        return orig_prologue(*args, **kw)
+
+    monkeypatch.setattr(decode, "run_prologue", spy)
+    kw = build(32, h=32, m=20)
+    run(_clone(kw), backend="triton")
+    monkeypatch.setattr(decode, "decode_config", lambda *a: dict(orig_cfg(*a), PREFETCH_ROWS=8))
+    run(_clone(kw), backend="triton")
+    assert calls == [False, True], calls
+
+
+@interpret
 def test_dsa_rotary_offset_uses_torch_prologue():
     kw = build(8, h=64, rotary_offset=16, m=20)
     check_dsa(kw)

@@ -367,19 +367,8 @@ def triton_prologue_fits(p: DSAParams) -> bool:
     return not (p.do_rotary and p.rotary_offset != 0)
 
 
-def run_prologue(
-    query,
-    key,
-    value,
-    present_key,
-    present_value,
-    seqlens_k,
-    p,
-    q_rot,
-    use_triton,
-    q_plain=None,
-    early_release=False,
-):
+def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
+                 q_plain=None, early_release=False):  # fmt: skip
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
     ``q_plain`` (torch path only): also Q without the k_scale fold (for auxiliary keys).
@@ -450,24 +439,12 @@ def dsa_triton(
     q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
+    cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     # a cfg with PREFETCH_ROWS (off by default, not measured yet): the split kernel starts
     # during the prologue and L2-prefetches its selected rows before its PDL wait
-    early = bool((cfg or {}).get("PREFETCH_ROWS"))
-    run_prologue(
-        query,
-        key,
-        value,
-        present_key,
-        present_value,
-        seqlens_k,
-        p,
-        q_rot,
-        use_triton,
-        q_plain,
-        early,
-    )
-
-    cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
+    early = bool(cfg.get("PREFETCH_ROWS"))
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
+                 q_plain, early)  # fmt: skip
     m_sel = selected_indices.shape[1]
     window = p.local_window_size if p.local else 0
     dev_index = dev.index if dev.type == "cuda" else 0
