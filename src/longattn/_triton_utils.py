@@ -143,14 +143,16 @@ def release_dependents(PDL: tl.constexpr, EARLY: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, INTERPRET: tl.constexpr):
-    """``prefetch.global.L2`` of the 128-byte lines at ``ptrs`` (no effect on values; nothing
-    in the interpreter)."""
+def prefetch_rows_l2(row_ptrs, HEAD: tl.constexpr, INTERPRET: tl.constexpr):
+    """``prefetch.global.L2`` of every 128-byte line of the ``HEAD``-element rows that start at
+    ``row_ptrs [ROWS]`` (no effect on values; nothing in the interpreter)."""
     if not INTERPRET:
+        line: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth  # elements
+        lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES] first element of each line
         tl.inline_asm_elementwise(
             asm="prefetch.global.L2 [$1];",
             constraints="=r,l",
-            args=[ptrs],
+            args=[row_ptrs[:, None] + lines[None, :]],
             dtype=tl.int32,
             is_pure=False,
             pack=1,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import prefetch_l2, wait_prior_grids
+from ..._triton_utils import prefetch_rows_l2, wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
@@ -101,6 +101,15 @@ def _decode_range(
 
 
 @triton.jit
+def _split_start(offset, window, split, chunk, HAS_WINDOW: tl.constexpr):
+    """First key of split ``split``: the range starts at 0, or at the window's first key."""
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(offset - window + 1, 0)
+    return kv_lo + split * chunk
+
+
+@triton.jit
 def _prefetch_split(
     k_ptr, v_ptr, seqlens_ptr, max_total, seq_len, window, chunk, b64, kvh, split, stride_kb,
     stride_kh, stride_kc, stride_vb, stride_vh, stride_vc, HEAD: tl.constexpr,
@@ -111,17 +120,12 @@ def _prefetch_split(
     line); rows past the sequence are clamped onto its last row."""
     total_len = load_total_len(seqlens_ptr, b64, max_total)
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(offset - window + 1, 0)
-    rows = kv_lo + split * chunk + tl.arange(0, ROWS)  # [ROWS]
+    rows = _split_start(offset, window, split, chunk, HAS_WINDOW) + tl.arange(0, ROWS)  # [ROWS]
     rows = tl.maximum(tl.minimum(rows, total_len - 1), 0).to(tl.int64)
-    line: tl.constexpr = 1024 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 B
-    lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES] first element of each line
-    k_rows = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh + rows * stride_kc
-    v_rows = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh + rows * stride_vc
-    prefetch_l2(k_rows[:, None] + lines[None, :], INTERPRET)
-    prefetch_l2(v_rows[:, None] + lines[None, :], INTERPRET)
+    prefetch_rows_l2(k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh + rows * stride_kc,
+                     HEAD, INTERPRET)  # fmt: skip
+    prefetch_rows_l2(v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh + rows * stride_vc,
+                     HEAD, INTERPRET)  # fmt: skip
 
 
 @triton.jit
@@ -210,10 +214,7 @@ def gqa_decode_split_kernel(
     row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS, HAS_QSCALE)
 
     kv_hi = tl.minimum(offset + rows_valid, total_len)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(offset - window + 1, 0)
-    start = kv_lo + split * chunk
+    start = _split_start(offset, window, split, chunk, HAS_WINDOW)
     end = tl.minimum(start + chunk, kv_hi)
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh

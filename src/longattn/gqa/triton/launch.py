@@ -254,8 +254,9 @@ def prefill_gluon_config(head: int) -> dict:
     warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
     consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM.
     Q_SLOTS: Q tile pairs (2: the producer loads item k+1's Q and K/V during item k; dropped
-    to 1 where shared memory is short, H=256). Work schedule: PERSISTENT (one CTA per SM, else one per work item), DYNAMIC (each CTA
-    claims its next item from a per-call counter, else CTA c takes c, c + G, ...), ORDER
+    to 1 where shared memory is short, H=256). Work schedule: PERSISTENT (one CTA per SM, else
+    one per work item), DYNAMIC (each CTA claims its next item from a per-call counter, else
+    CTA c takes c, c + G, ...), ORDER
     (0: every head's last row block first; 1: a head's row blocks heaviest first, then the next
     head's; 2: as 1 with the heads of one KV head interleaved); see
     ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through shared memory as

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, prefetch_l2, wait_prior_grids
+from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, prefetch_rows_l2, wait_prior_grids
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -137,12 +137,10 @@ def _prefetch_selected(
     ok = (split >= win_splits) & (j < tl.minimum(cnt, max_sel))
     idx = tl.load(sel_ptr + row * stride_sel_r + j * stride_sel_j, mask=ok, other=0)
     idx = tl.minimum(tl.maximum(idx.to(tl.int64), 0), cap - 1)  # [ROWS]
-    line: tl.constexpr = 1024 // kc_ptr.dtype.element_ty.primitive_bitwidth  # elements / 128 B
-    lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES]
-    k_rows = kc_ptr + b * stride_kcb + kvh * stride_kch + idx * stride_kcc
-    v_rows = vc_ptr + b * stride_vcb + kvh * stride_vch + idx * stride_vcc
-    prefetch_l2(k_rows[:, None] + lines[None, :], INTERPRET)
-    prefetch_l2(v_rows[:, None] + lines[None, :], INTERPRET)
+    prefetch_rows_l2(kc_ptr + b * stride_kcb + kvh * stride_kch + idx * stride_kcc, HEAD,
+                     INTERPRET)  # fmt: skip
+    prefetch_rows_l2(vc_ptr + b * stride_vcb + kvh * stride_vch + idx * stride_vcc, HEAD,
+                     INTERPRET)  # fmt: skip
 
 
 @triton.jit
