@@ -543,6 +543,16 @@ def test_decode_prefetch_interpret(name, device):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("rows", [3, -4, 2.0])
+def test_decode_prefetch_rows_must_be_a_power_of_two(device, rows):
+    c = DECODE_CASES["group8-int8pc-splits2"]
+    query, key, value, pk, pv, seqlens, p = _build(c, device)
+    cfg = dict(launch.decode_config(c.h, query.dtype, pk.dtype, interpret()), PREFETCH_ROWS=rows)
+    with pytest.raises(ValueError, match="PREFETCH_ROWS"):
+        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
+
+
+@pytest.mark.interpret
 def test_decode_prefetch_in_the_default_config_releases_the_prologue_early(device, monkeypatch):
     """A PREFETCH_ROWS from the default decode config also makes the prologue release the
     split kernel early (the prologue runs before the decode config is otherwise read)."""

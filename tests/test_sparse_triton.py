@@ -665,6 +665,22 @@ def test_indexer_scores_rows_per_program(s_tile):
     torch.testing.assert_close(first[:, :s_tile], got.view(2, 7, -1)[:, :s_tile], rtol=0, atol=0)
 
 
+@interpret
+@pytest.mark.parametrize("s_tile", [17, -1])
+def test_indexer_rows_per_program_out_of_range(s_tile):
+    iq, keys, sk = _icase(5, b=1, s=7, ni=2, di=16, nb=12, seqlens=[80])
+    cfg = dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4, S_TILE=s_tile)
+    with pytest.raises(ValueError, match="S_TILE"):
+        indexer.indexer_scores(iq, keys, sk, cfg=cfg, num_index_heads=2, compress_ratio=8,
+                               scale=0.25, is_first_prompt=False)  # fmt: skip
+
+
+@interpret
+def test_dsa_prefetch_rows_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="PREFETCH_ROWS"):
+        _run_with_splits(build(33, h=32, m=20), None, prefetch=6)
+
+
 def test_indexer_gate_on_cpu():
     iq, keys, sk = _icase(4, b=1, s=1, ni=1, di=8, nb=4, seqlens=[9], device="cpu")
     with pytest.raises(RuntimeError, match="index_head_dim 8"):

@@ -130,6 +130,15 @@ def wait_prior_grids(PDL: tl.constexpr):
         gdc_wait()
 
 
+def check_prefetch_rows(cfg: dict) -> bool:
+    """``cfg["PREFETCH_ROWS"]`` (a tuning option of the decode split kernels): 0 / absent, or a
+    power of two (one ``tl.arange``). Returns whether it is on; anything else is a ValueError."""
+    rows = cfg.get("PREFETCH_ROWS", 0)
+    if not isinstance(rows, int) or rows < 0 or (rows and rows & (rows - 1)):
+        raise ValueError(f"cfg['PREFETCH_ROWS'] must be 0 or a power of two, got {rows!r}")
+    return rows > 0
+
+
 @triton.jit
 def release_dependents(PDL: tl.constexpr, EARLY: tl.constexpr):
     """Let the next PDL-launched kernel of the stream start now (once every program of this one

@@ -16,7 +16,14 @@ import torch
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
+from ..._triton_utils import (
+    cdiv,
+    check_prefetch_rows,
+    gluon_hopper_enabled,
+    next_pow2,
+    pdl_kwargs,
+    tma_ok,
+)
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -516,7 +523,7 @@ def gqa_triton(
     # starts during the prologue and L2-prefetches its first cache rows before its PDL wait
     if path == "decode":
         decode_cfg = decode_cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret())
-    early = path == "decode" and bool(decode_cfg.get("PREFETCH_ROWS"))
+    early = path == "decode" and check_prefetch_rows(decode_cfg)
     run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale,
                  early)  # fmt: skip
     if path == "decode":

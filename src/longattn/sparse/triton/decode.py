@@ -37,7 +37,14 @@ import triton.language as tl
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs, prefetch_rows_l2, wait_prior_grids
+from ..._triton_utils import (
+    cdiv,
+    check_prefetch_rows,
+    next_pow2,
+    pdl_kwargs,
+    prefetch_rows_l2,
+    wait_prior_grids,
+)
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -440,7 +447,7 @@ def dsa_triton(
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     # a cfg with PREFETCH_ROWS (off by default, not measured yet): the split kernel starts
     # during the prologue and L2-prefetches its selected rows before its PDL wait
-    early = bool(cfg.get("PREFETCH_ROWS"))
+    early = check_prefetch_rows(cfg)
     run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
                  q_plain, early)  # fmt: skip
     m_sel = selected_indices.shape[1]

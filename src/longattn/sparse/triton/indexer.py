@@ -158,6 +158,8 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     di_pad = max(16, next_pow2(di))
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], di_pad)
     s_tile = cfg.pop("S_TILE", None) or min(BLOCK_S, s)  # rows per program
+    if not 1 <= s_tile <= BLOCK_S:
+        raise ValueError(f"cfg['S_TILE'] must be in [1, {BLOCK_S}], got {s_tile}")
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     indexer_score_kernel[grid](
         **pdl_kwargs(index_query),
