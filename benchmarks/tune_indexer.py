@@ -1,16 +1,18 @@
 """Tuning sweep of the Triton SparseAttentionIndexer kernels (H200): score-kernel tiles and the
-select kernel's warps, timed as one CUDA graph of back-to-back calls over distinct layers
-(each layer its own block keys and queries, so every call reads its keys from DRAM).
+select kernel's warps, radix bits and emission tile, timed as one CUDA graph of back-to-back
+calls over distinct layers (each layer its own block keys and queries, so every call reads its
+keys from DRAM).
 
     PYTHONPATH=src python benchmarks/tune_indexer.py --out $OUT
 
 Geometry of ``bench_sparse.py``: NI = 16 index heads of DI = 128, fp32 block keys, bf16 index
-query, r = 64, budget 2048 (32 blocks). Writes ``tune_indexer.json`` under ``--out``.
+query, r = 64, budget 2048 (32 blocks; ``--budgets`` for others). Writes ``tune_indexer.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -47,12 +49,12 @@ def _scores(q, k, seqlens, cfg):
                              scale=DI**-0.5, is_first_prompt=False, cfg=cfg)  # fmt: skip
 
 
-def _select(sc, seqlens, s, nb):
+def _select(sc, seqlens, s, nb, cfg=None, budget=BUDGET):
     return sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
-                             token_budget=BUDGET, is_first_prompt=False)  # fmt: skip
+                             token_budget=budget, is_first_prompt=False, cfg=cfg)  # fmt: skip
 
 
-def sweep(b, s, t, rows):
+def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET):
     seqlens, layers = _layers(b, s, t)
     nb = layers[0][1].shape[1]
     base = [_scores(q, k, seqlens, None) for q, k in layers]
@@ -60,6 +62,8 @@ def sweep(b, s, t, rows):
     # fewer rows per program, i.e. S / S_TILE times the programs)
     tiles = (None,) if s == 1 else (None, 1, 2, 4)
     grid = itertools.product((16, 32, 64), (16, 32), (32, 128), (2, 4), tiles)
+    if "score" not in kernels:
+        grid = ()
     for bb, br, bd, nw, st in grid:
         cfg = dict(BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, num_warps=nw)
         if st is not None:
@@ -77,19 +81,21 @@ def sweep(b, s, t, rows):
         row.setdefault("S_TILE", min(s, ix.BLOCK_S))
         rows.append(row)
         print(row, flush=True)
-    ref = [_select(sc, seqlens, s, nb) for sc in base]
-    orig = sl.select_num_warps
-    for nw in (1, 2, 4, 8, 16):  # 1-2 warps: reductions without CTA barriers
-        sl.select_num_warps = lambda nb_pad, nw=nw: nw
-        try:
-            same = all(
-                torch.equal(a, b2) for a, b2 in zip(_select(base[0], seqlens, s, nb), ref[0])
-            )
-            us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb) for sc in base],
-                                   min_time_s=0.05)["median_us"]  # fmt: skip
-        finally:
-            sl.select_num_warps = orig
-        row = dict(kernel="select", B=b, S=s, T=t, num_warps=nw, us=round(us, 2), same=same)
+    if "select" not in kernels:
+        return
+    sel = functools.partial(_select, budget=budget)
+    ref = [sel(sc, seqlens, s, nb) for sc in base]
+    # warps (1-2 warps: reductions without CTA barriers; session 10 found them 1.5-2.6x
+    # slower), bits per radix step (fewer CTA reductions, more compares each), emission tile
+    grid = itertools.product((4, 8, 16), (2, 3, 4), (1024, 4096))
+    for nw, bits, bo in grid:
+        cfg = dict(num_warps=nw, RADIX_BITS=bits, BLOCK_O=bo)
+        got = sel(base[0], seqlens, s, nb, cfg)
+        same = all(torch.equal(a, b2) for a, b2 in zip(got, ref[0]))
+        us = graph_bench_chain([lambda sc=sc, cfg=cfg: sel(sc, seqlens, s, nb, cfg) for sc in base],
+                               min_time_s=0.05)["median_us"]  # fmt: skip
+        row = dict(kernel="select", B=b, S=s, T=t, budget=budget, **cfg, us=round(us, 2),
+                   same=same)  # fmt: skip
         rows.append(row)
         print(row, flush=True)
 
@@ -98,12 +104,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--configs", default="1x1,4x1,1x8,4x8")
-    ap.add_argument("--T", type=int, default=131072)
+    ap.add_argument("--T", default="131072", help="comma-separated lengths")
+    ap.add_argument("--budgets", default=str(BUDGET), help="comma-separated (select sweep)")
+    ap.add_argument("--kernels", default="score,select")
     args = ap.parse_args(argv)
     rows = []
-    for c in args.configs.split(","):
+    runs = itertools.product(args.configs.split(","), args.T.split(","), args.budgets.split(","))
+    for c, t, budget in runs:
         b, s = (int(x) for x in c.split("x"))
-        sweep(b, s, args.T, rows)
+        sweep(b, s, int(t), rows, args.kernels.split(","), int(budget))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune_indexer.json").write_text(
@@ -111,7 +120,7 @@ def main(argv=None):
         )
     best = {}
     for r in rows:
-        key = (r["kernel"], r["B"], r["S"])
+        key = (r["kernel"], r["B"], r["S"], r["T"], r.get("budget"))
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     for r in best.values():

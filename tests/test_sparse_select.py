@@ -32,10 +32,17 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix"])
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4"])
 def method(request, monkeypatch):
-    """Both select methods on every row width (the host picks by NB_PAD)."""
-    monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if request.param == "topk" else 0)
+    """Both select methods on every row width (the host picks by NB_PAD), the radix one at
+    each ``RADIX_BITS``."""
+    topk = request.param == "topk"
+    monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
+    if not topk:
+        bits = int(request.param[-1])
+        monkeypatch.setattr(
+            select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, RADIX_BITS=bits)
+        )
     return request.param
 
 
@@ -286,3 +293,25 @@ def test_score_config_fills_one_wave():
     cfg = score_config(1, 8, 16, 2048, 132, interpret=False)
     assert cfg == dict(BLOCK_B=16, BLOCK_R=32, BLOCK_D=32, num_warps=2)
     assert score_config(1, 1, 32, 2048, 132, interpret=False)["BLOCK_R"] == 32  # 32 pairs
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        (dict(RADIX_BITS=5), "RADIX_BITS"),
+        (dict(RADIX_BITS=1), "RADIX_BITS"),
+        (dict(BLOCK_O=100), "BLOCK_O"),
+        (dict(BLOCK_O=8), "BLOCK_O"),
+        (dict(BLOCK=64), "unknown keys"),
+    ],
+)
+def test_select_config_errors(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        select.select_config(cfg, 2048, interpret=False)
+
+
+def test_select_config_defaults():
+    assert select.select_config(None, 2048, interpret=False) == dict(
+        select.SELECT_DEFAULTS, num_warps=select.select_num_warps(2048)
+    )
+    assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2

@@ -58,15 +58,41 @@ def _order_keys(score, visible):
 
 
 @triton.jit
-def _kth_largest(v, k, n_ge):
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _packed_counts(v, lo, step, WORD: tl.constexpr, NDIG: tl.constexpr):
+    """int64 ``[NB_PAD]`` word ``WORD`` of the packed threshold counts: field ``f`` (16 bits)
+    holds ``v >= lo + d * step`` for ``d = 4 * WORD + f + 1 <= NDIG``."""
+    packed = tl.zeros(v.shape, tl.int64)  # [NB_PAD]
+    for f in tl.static_range(4):
+        if 4 * WORD + f + 1 <= NDIG:
+            t = lo + (4 * WORD + f + 1) * step
+            packed = packed | ((v >= t).to(tl.int64) << (16 * f))
+    return packed
+
+
+@triton.jit
+def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr):
     """Radix select over the keys ``v [NB_PAD]`` (int32, >= 0 where counted, -1 elsewhere);
-    ``n_ge``: how many keys are counted (``#(v >= 0)``).
+    ``n_ge``: how many keys are counted (``#(v >= 0)``). ``RADIX_BITS`` (2, 3 or 4) bits per
+    step: each step counts ``v >= lo + d * 2**shift`` for the ``2**RADIX_BITS - 1`` digits d
+    in ONE CTA reduction (counts <= MAX_BLOCKS in 16-bit fields, four per int64 word; two or
+    four words reduce together as a tuple).
 
     Returns ``(lo, n_ge)``: ``n_ge = #(v >= lo) >= k`` and either ``n_ge == k`` (the top k are
     exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
+    NDIG: tl.constexpr = (1 << RADIX_BITS) - 1  # thresholds per step
     # Start below the bits every counted key shares: the keys lie in [vmin, vmax], so they all
     # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
-    # prefix, shift = d - 1 (a radix-4 digit covers bits d, d - 1). Scores of one row span a
+    # prefix; the first digit covers bits d .. d - RADIX_BITS + 1. Scores of one row span a
     # few octaves, so this skips the exponent's leading steps (each a CTA-wide reduction).
     vmax = tl.max(v, 0)
     vmin = tl.min(tl.where(v >= 0, v, vmax), 0)
@@ -78,23 +104,46 @@ def _kth_largest(v, k, n_ge):
     low_bits = (tl.full([], 2, tl.int64) << d.to(tl.int64)) - 1  # bits d..0 (int64: d = 30)
     lo = tl.where(d >= 0, (vmax.to(tl.int64) & ~low_bits).to(tl.int32), vmax)
     lo = tl.maximum(lo, 0)  # no counted key (vmax = -1): lo = 0, nothing is chosen
-    shift = tl.where(d >= 1, d - 1, d)  # d = 0: one last step over bit 0; d = -1: all equal
-    # invariant: #(v >= lo) >= k and #(v >= lo + 4 * 2**shift) < k (keys < 2**31)
+    # d = -1 (all keys equal): no step. Near bit 0 the digit is clamped to shift 0 (its top
+    # thresholds lie above vmax and count < k keys).
+    shift = tl.where(d >= 0, tl.maximum(d - (RADIX_BITS - 1), 0), -1)
+    # invariant: #(v >= lo) >= k and #(v >= lo + 2**RADIX_BITS * 2**shift) < k; thresholds
+    # stay below lo + 2**(d + 1) <= 2**31 (no int32 overflow)
     while (n_ge > k) & (shift >= 0):
         step = 1 << shift
-        t1 = lo + step
-        t2 = t1 + step
-        t3 = t2 + step  # no overflow: lo + 3 * 2**shift <= max key + 3 < 2**31
-        packed = (v >= t1).to(tl.int64)
-        packed = packed | ((v >= t2).to(tl.int64) << 20) | ((v >= t3).to(tl.int64) << 40)
-        total = tl.sum(packed)  # [3 x 20-bit counts], each <= MAX_BLOCKS < 2**20
-        c1 = (total & 0xFFFFF).to(tl.int32)
-        c2 = ((total >> 20) & 0xFFFFF).to(tl.int32)
-        c3 = ((total >> 40) & 0xFFFFF).to(tl.int32)
-        lo = tl.where(c3 >= k, t3, tl.where(c2 >= k, t2, tl.where(c1 >= k, t1, lo)))
-        n_ge = tl.where(c3 >= k, c3, tl.where(c2 >= k, c2, tl.where(c1 >= k, c1, n_ge)))
-        # shifts 29, 27, ..., 3, 1 fix bits 30..1; shift 0 fixes bit 0 (t2, t3 fail there)
-        shift = tl.where(shift > 1, shift - 2, shift - 1)
+        if NDIG <= 4:
+            w0 = tl.sum(_packed_counts(v, lo, step, 0, NDIG))
+            w1 = w0
+            w2 = w0
+            w3 = w0
+        elif NDIG <= 8:
+            w0, w1 = tl.reduce(
+                (_packed_counts(v, lo, step, 0, NDIG), _packed_counts(v, lo, step, 1, NDIG)),
+                0, _add2)  # fmt: skip
+            w2 = w0
+            w3 = w0
+        else:
+            w0, w1, w2, w3 = tl.reduce(
+                (_packed_counts(v, lo, step, 0, NDIG), _packed_counts(v, lo, step, 1, NDIG),
+                 _packed_counts(v, lo, step, 2, NDIG), _packed_counts(v, lo, step, 3, NDIG)),
+                0, _add4)  # fmt: skip
+        new_lo = lo
+        new_n = n_ge
+        # counts fall with the digit: the largest digit still holding >= k keys wins
+        for dig in tl.static_range(1, NDIG + 1):
+            word = w0
+            if (dig - 1) // 4 == 1:
+                word = w1
+            elif (dig - 1) // 4 == 2:
+                word = w2
+            elif (dig - 1) // 4 == 3:
+                word = w3
+            c = ((word >> (16 * ((dig - 1) % 4))) & 0xFFFF).to(tl.int32)
+            new_lo = tl.where(c >= k, lo + dig * step, new_lo)
+            new_n = tl.where(c >= k, c, new_n)
+        lo = new_lo
+        n_ge = new_n
+        shift = tl.where(shift > 0, tl.maximum(shift - RADIX_BITS, 0), -1)
     return lo, n_ge
 
 
@@ -110,10 +159,10 @@ def _chosen_topk(v, offs_c, k, NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):
 
 
 @triton.jit
-def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row):
+def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr):
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
     (ties: lower block); then a CTA barrier."""
-    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0))
+    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), RADIX_BITS)
     eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
     n_eq = tl.sum(eq.to(tl.int32))
     need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
@@ -145,6 +194,7 @@ def indexer_select_kernel(
     KB_PAD: tl.constexpr,  # power of two >= min(kb, num_blocks), <= NB_PAD
     BLOCK_O: tl.constexpr,  # output positions per emission tile
     TOPK: tl.constexpr,  # select by tl.topk (else radix select + scratch)
+    RADIX_BITS: tl.constexpr,  # bits per radix step (2, 3 or 4)
     IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
@@ -173,7 +223,7 @@ def indexer_select_kernel(
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
-        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row)
+        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS)
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
     r = compress_ratio
@@ -197,6 +247,29 @@ def indexer_select_kernel(
     tl.store(cnt_ptr + row, n_sel_tok + trail)
 
 
+# Defaults of ``indexer_select``'s ``cfg`` (H200 sweeps: ``benchmarks/tune_indexer.py``)
+SELECT_DEFAULTS = dict(RADIX_BITS=2, BLOCK_O=1024)
+
+
+def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
+    """The select launch's tunables: ``RADIX_BITS`` (2, 3 or 4 bits per radix step),
+    ``BLOCK_O`` (output positions per emission tile, a power of two >= 16) and ``num_warps``;
+    ``cfg`` overrides the defaults (``SELECT_DEFAULTS``, ``select_num_warps``)."""
+    out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
+    if interpret:
+        out["BLOCK_O"] = 256
+    out.update(cfg or {})
+    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps"}
+    if unknown:
+        raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
+    if out["RADIX_BITS"] not in (2, 3, 4):
+        raise ValueError(f"select cfg['RADIX_BITS'] must be 2, 3 or 4, got {out['RADIX_BITS']}")
+    bo = out["BLOCK_O"]
+    if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
+        raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
+    return out
+
+
 def select_num_warps(nb_pad: int) -> int:
     if nb_pad <= 1024:
         return 4
@@ -214,6 +287,7 @@ def indexer_select(
     is_first_prompt: bool,
     interpret: bool = False,
     empty=torch.empty,
+    cfg: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k blocks + emission from block scores, in one kernel.
 
@@ -223,6 +297,7 @@ def indexer_select(
             compress_ratio`` or ``num_blocks == 0``).
         seqlens_k: ``[B]`` int32, total length minus one.
         empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
+        cfg: tunables (``select_config``); None: the defaults.
 
     Returns:
         ``selected_indices [B*S, token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32.
@@ -230,9 +305,10 @@ def indexer_select(
     r = compress_ratio
     kb = token_budget // r
     rows = seqlens_k.shape[0] * seq_len
+    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
+    tune = select_config(cfg, nb_pad, interpret)
     max_selected = token_budget + r - 1
     dev = seqlens_k.device
-    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
     if nb_pad > MAX_BLOCKS:
         raise ValueError(f"indexer_select supports up to {MAX_BLOCKS} blocks, got {num_blocks}")
     idx = empty((rows, max_selected), dtype=torch.int32, device=dev)
@@ -261,9 +337,8 @@ def indexer_select(
         max_selected=max_selected,
         NB_PAD=nb_pad,
         KB_PAD=min(max(2, next_pow2(kb)), nb_pad),
-        BLOCK_O=256 if interpret else 1024,
         TOPK=topk,
         IS_FIRST_PROMPT=is_first_prompt,
-        num_warps=select_num_warps(nb_pad),
+        **tune,
     )
     return idx, cnt
