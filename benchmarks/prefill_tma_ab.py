@@ -43,9 +43,7 @@ def variants(h: int) -> list[tuple[str, dict]]:
     out += [("gluon", _gl()), ("gluon_q1", _gl(Q_SLOTS=1)), ("gluon_order1", _gl(ORDER=1)),
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
     out += [
-        ("gluon_epi_smem", _gl(EPILOGUE_SMEM=True)),  # 16-byte output stores
-        ("gluon_lazy", _gl(LAZY_RESCALE=True)),  # conditional accumulator rescaling
-        ("gluon_qhalf", _gl(Q_HALF_REGS=True)),  # half of Q as QK^T's register operand
+        ("gluon_epi_4byte", _gl(EPILOGUE_SMEM=False)),  # 4-byte stores from the accumulator
     ]
     return out
 

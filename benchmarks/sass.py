@@ -141,7 +141,7 @@ def _presets(cache: str):
                                    IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
                                    HAS_SINK=False, SINK_FROM_PTR=False,
                                    CONSUMER_REGS=240, ORDER=2, DYNAMIC=True,
-                                   Q_SLOTS=2, EPILOGUE_SMEM=False, LAZY_RESCALE=False, Q_HALF_REGS=False), 4, 1),
+                                   Q_SLOTS=2, EPILOGUE_SMEM=True), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,

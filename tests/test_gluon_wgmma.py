@@ -1,7 +1,9 @@
 """Gluon wgmma operand paths in isolation on the GPU (``benchmarks/gluon_wgmma_probe.py``):
 A from shared memory, A from registers (loaded out of its swizzled shared tile), and half of A
-from registers. The Gluon prefill's ``Q_HALF_REGS`` depends on the last two; a removed
-all-of-Q-in-registers variant gave wrong output with no cause found."""
+from registers. A Gluon prefill option that took half of Q from registers (``Q_HALF_REGS``)
+was removed: it gave wrong output at H=128 on the H200 (max diff 0.8 against the default,
+``benchmarks/results/prefill_gluon_ab9_h200.json``) and at most +2% at H=256; an earlier
+all-of-Q-in-registers variant was also wrong, no cause found."""
 
 from __future__ import annotations
 

@@ -483,9 +483,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "static",
         "dynamic_row_major",
         "head_major",
-        "epilogue_smem",
-        "lazy_rescale",
-        "q_half_regs",
+        "epilogue_4byte",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -498,9 +496,7 @@ def test_prefill_gluon_gpu(name, variant, device):
                 one_item_per_cta=dict(PERSISTENT=False, DYNAMIC=False, Q_SLOTS=1),
                 static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
                 dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1),
-                epilogue_smem=dict(EPILOGUE_SMEM=True),
-                lazy_rescale=dict(LAZY_RESCALE=True),
-                q_half_regs=dict(Q_HALF_REGS=True))[variant]  # fmt: skip
+                epilogue_4byte=dict(EPILOGUE_SMEM=False))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

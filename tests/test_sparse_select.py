@@ -312,6 +312,8 @@ def test_select_config_errors(cfg, match):
 
 def test_select_config_defaults():
     assert select.select_config(None, 2048, interpret=False) == dict(
-        select.SELECT_DEFAULTS, num_warps=select.select_num_warps(2048)
+        select.SELECT_DEFAULTS, BLOCK_O=1024, num_warps=select.select_num_warps(2048)
     )
+    assert select.select_config(None, 4096, interpret=False)["BLOCK_O"] == 4096
+    assert select.select_config(None, 4096, interpret=True)["BLOCK_O"] == 256
     assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2

@@ -266,17 +266,14 @@ def prefill_gluon_config(head: int) -> dict:
     CTA c takes c, c + G, ...), ORDER
     (0: every head's last row block first; 1: a head's row blocks heaviest first, then the next
     head's; 2: as 1 with the heads of one KV head interleaved); see
-    ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through shared memory as
-    16-byte stores (not measured yet; spills 40 B at H=256). LAZY_RESCALE: rescale the
-    accumulator only when a row max grew by > 2^8 (not measured yet; at H=256 the branch costs
-    ~146 register moves per tile). Q_HALF_REGS: the first half of Q's channels is QK^T's
-    register A operand, so half its k-steps read only K from shared memory (at H=256 with
-    BLOCK_N 64 the shared-memory QK^T needs ~100% of the SM's 128 B/clk at the tensor peak);
-    not measured yet (H=256: 32 B of spills outside the tile loop)."""
+    ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through the item's freed Q
+    tile in shared memory as 16-byte stores instead of the accumulator layout's 4-byte ones
+    (H200, same process, ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at
+    every measured shape, H=128 and 256, S=2K..32K; the default since)."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
-                PERSISTENT=True, DYNAMIC=True, ORDER=2, EPILOGUE_SMEM=False,
-                LAZY_RESCALE=False, Q_HALF_REGS=False)  # fmt: skip
+                PERSISTENT=True, DYNAMIC=True, ORDER=2,
+                EPILOGUE_SMEM=True)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):

@@ -58,7 +58,6 @@ from ._core import (
 
 ROWS_PER_WG = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma M = 64, 4 warps)
 LOG2E = gl.constexpr(1.4426950408889634)
-RESCALE_LOG2 = gl.constexpr(8.0)  # LAZY_RESCALE: p stays <= 2**8 against a stale row max
 
 
 @gluon.constexpr_function
@@ -237,8 +236,7 @@ def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-    Q_HALF_REGS: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
     slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
@@ -251,50 +249,24 @@ def _attend(
     m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
-    if Q_HALF_REGS:  # the first half of Q's channels as QK^T's register A operand
-        q_regs = q.slice(0, HEAD // 2, dim=1).load(
-            gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        )  # [64, HEAD / 2]
     for j in range(n_tiles):
         slot = it % STAGES
         phase = (it // STAGES) & 1
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         mbarrier.wait(k_ready.index(slot), phase)
-        if Q_HALF_REGS:  # shared-memory reads per QK^T k-step: K only, then Q and K
-            k_t = k_smem.index(slot)
-            qk = warpgroup_mma(q_regs, k_t.slice(0, HEAD // 2, dim=1).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)  # fmt: skip
-            qk = warpgroup_mma(q.slice(HEAD // 2, HEAD // 2, dim=1),
-                               k_t.slice(HEAD // 2, HEAD // 2, dim=1).permute((1, 0)), qk,
-                               is_async=True)  # fmt: skip
-        else:
-            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
+        qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
         qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
         m_new = gl.maximum(m_i, gl.max(s, 1) * unit)  # [64]
-        if LAZY_RESCALE:
-            # rescale only once some row's max grew by more than 2^RESCALE_LOG2 (one scalar
-            # for the warpgroup); until then p = exp2(s - m_i) <= 2^RESCALE_LOG2 against the
-            # stale m_i, which l and acc share (FlashAttention-4's conditional rescaling)
-            grow = gl.max(gl.where(m_new > m_i, m_new - m_i, 0.0), 0)  # m_i = -inf: +inf
-            if grow > RESCALE_LOG2:
-                alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-                l_i = l_i * alpha
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                m_i = m_new
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]
-            l_i = l_i + gl.sum(p, 1)
-        else:
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # registers: wgmma A operand
         mbarrier.wait(v_ready.index(slot), phase)
         acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
@@ -311,7 +283,7 @@ def _consumer(
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
-    EPILOGUE_SMEM: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_HALF_REGS: gl.constexpr,
+    EPILOGUE_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
@@ -334,8 +306,7 @@ def _consumer(
         acc, m_i, l_i, it = _attend(
             it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
-            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE,
-            Q_HALF_REGS)  # fmt: skip
+            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         if not EPILOGUE_SMEM:
             mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
@@ -408,8 +379,6 @@ def gqa_prefill_gluon_kernel(
     ORDER: gl.constexpr,  # work order: 0 row blocks, 1 heads, 2 KV groups (see _item_head)
     DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
-    LAZY_RESCALE: gl.constexpr,  # conditional rescaling of the accumulator (see _attend)
-    Q_HALF_REGS: gl.constexpr,  # half of Q as QK^T's register operand (see _attend)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -438,12 +407,12 @@ def gqa_prefill_gluon_kernel(
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
                          IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM, LAZY_RESCALE, Q_HALF_REGS)),
+                         EPILOGUE_SMEM)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
                          IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM, LAZY_RESCALE, Q_HALF_REGS)),
+                         EPILOGUE_SMEM)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES,

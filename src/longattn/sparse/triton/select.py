@@ -247,17 +247,21 @@ def indexer_select_kernel(
     tl.store(cnt_ptr + row, n_sel_tok + trail)
 
 
-# Defaults of ``indexer_select``'s ``cfg`` (H200 sweeps: ``benchmarks/tune_indexer.py``)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, BLOCK_O=1024)
+# Defaults of ``indexer_select``'s ``cfg`` (H200 sweeps, ``benchmarks/tune_indexer.py``,
+# ``benchmarks/results/tune_select_h200.json``: 2 bits beat 3 and 4 at every shape; BLOCK_O
+# 4096 pays from 4096 blocks on, see select_config)
+SELECT_DEFAULTS = dict(RADIX_BITS=2)
+WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
 def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     """The select launch's tunables: ``RADIX_BITS`` (2, 3 or 4 bits per radix step),
-    ``BLOCK_O`` (output positions per emission tile, a power of two >= 16) and ``num_warps``;
+    ``BLOCK_O`` (output positions per emission tile, a power of two >= 16; 4096 from
+    ``WIDE_EMIT_BLOCKS`` blocks on: one tile issues every scratch load at once; H200: -4 to
+    -10% at 256K tokens, +16% at 128K with budget 8192) and ``num_warps``;
     ``cfg`` overrides the defaults (``SELECT_DEFAULTS``, ``select_num_warps``)."""
-    out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
-    if interpret:
-        out["BLOCK_O"] = 256
+    block_o = 256 if interpret else (4096 if nb_pad >= WIDE_EMIT_BLOCKS else 1024)
+    out = dict(SELECT_DEFAULTS, BLOCK_O=block_o, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps"}
     if unknown:
