@@ -32,17 +32,15 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4"])
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "radix2_pack32", "radix3_pack32"])
 def method(request, monkeypatch):
     """Both select methods on every row width (the host picks by NB_PAD), the radix one at
     each ``RADIX_BITS``."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
     if not topk:
-        bits = int(request.param[-1])
-        monkeypatch.setattr(
-            select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, RADIX_BITS=bits)
-        )
+        over = dict(RADIX_BITS=int(request.param[5]), PACK32=request.param.endswith("pack32"))
+        monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
 
 
@@ -283,15 +281,20 @@ def test_triton_tier_scores_only_blocks_below_total():
 def test_score_config_fills_one_wave():
     """The score kernel's tile rule (H200 sweep in indexer.score_config's docstring): the
     smallest key tile whose grid fits one wave; 16-row dots for one token's 16 (row, head)
-    pairs, 32-row dots on 2 warps beyond that."""
+    pairs, 32-row dots on 2 warps beyond that, over 32 // NI rows per program for 2..16 new
+    tokens."""
     from longattn.sparse.triton.indexer import score_config
 
     cfg = score_config(1, 1, 16, 2048, 132, interpret=False)
     assert cfg == dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=128, num_warps=4)
     assert score_config(4, 1, 16, 2048, 132, interpret=False)["BLOCK_B"] == 64  # 4 x 128 > 132
     assert score_config(4, 1, 16, 1024, 132, interpret=False)["BLOCK_B"] == 32  # 4 x 32 <= 132
+    # 2..16 new tokens: 2 rows (32 pairs) per program, 4 x 32 tiles of 64 blocks <= 132
     cfg = score_config(1, 8, 16, 2048, 132, interpret=False)
-    assert cfg == dict(BLOCK_B=16, BLOCK_R=32, BLOCK_D=32, num_warps=2)
+    assert cfg == dict(BLOCK_B=64, BLOCK_R=32, BLOCK_D=32, num_warps=2, S_TILE=2)
+    assert score_config(1, 8, 16, 512, 132, interpret=False)["BLOCK_B"] == 16  # 4 x 32 tiles
+    assert score_config(1, 3, 32, 2048, 132, interpret=False)["S_TILE"] == 1
+    assert score_config(1, 64, 16, 2048, 132, interpret=False)["S_TILE"] == 16  # prefill
     assert score_config(1, 1, 32, 2048, 132, interpret=False)["BLOCK_R"] == 32  # 32 pairs
 
 
@@ -303,6 +306,7 @@ def test_score_config_fills_one_wave():
         (dict(BLOCK_O=100), "BLOCK_O"),
         (dict(BLOCK_O=8), "BLOCK_O"),
         (dict(BLOCK=64), "unknown keys"),
+        (dict(RADIX_BITS=4, PACK32=True), "PACK32"),
     ],
 )
 def test_select_config_errors(cfg, match):

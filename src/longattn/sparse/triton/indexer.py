@@ -130,18 +130,23 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     4.5 us (was 12.0 with a fixed 64-block tile), B=4 S=1 9.5 (13.9), B=1 S=8 18.7 (42.2),
     B=4 S=8 40.6 (43.6). One new token's 16 (row, head) pairs fit one 16-row dot with the whole
     DI per step (``min(S, 16) * NI <= 16`` rows); more rows take 32-row dots over 32-channel
-    steps with 2 warps."""
+    steps with 2 warps. Decode steps of 2..16 new tokens (speculative / multi-token decode)
+    score ``S_TILE = max(1, 32 // NI)`` rows per program, one 32-row dot of (row, head) pairs,
+    on S / S_TILE times the programs (H200, T = 128K, NI = 16, S = 8, session 18,
+    ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 38.2 -> 25.0)."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
-    s_tiles = cdiv(max(s, 1), BLOCK_S)
+    small = min(s, BLOCK_S) * ni <= 16  # one 16-row dot holds the program's (row, head) pairs
+    s_tile = max(1, min(s, 32 // ni)) if 1 < s <= BLOCK_S and not small else min(s, BLOCK_S)
+    s_tiles = cdiv(max(s, 1), s_tile)
     block_b = 64
     for cand in (16, 32):
         if cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
             block_b = cand
             break
-    if min(s, BLOCK_S) * ni <= 16:
+    if small:
         return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4)
-    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=2)
+    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=2, S_TILE=s_tile)
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
