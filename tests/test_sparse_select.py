@@ -32,14 +32,14 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "radix2_pack32", "radix3_pack32"])
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4"])
 def method(request, monkeypatch):
     """Both select methods on every row width (the host picks by NB_PAD), the radix one at
     each ``RADIX_BITS``."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
     if not topk:
-        over = dict(RADIX_BITS=int(request.param[5]), PACK32=request.param.endswith("pack32"))
+        over = dict(RADIX_BITS=int(request.param[5]))
         monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
 
@@ -306,7 +306,6 @@ def test_score_config_fills_one_wave():
         (dict(BLOCK_O=100), "BLOCK_O"),
         (dict(BLOCK_O=8), "BLOCK_O"),
         (dict(BLOCK=64), "unknown keys"),
-        (dict(RADIX_BITS=4, PACK32=True), "PACK32"),
     ],
 )
 def test_select_config_errors(cfg, match):

@@ -68,34 +68,30 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _packed_counts(v, lo, step, WORD: tl.constexpr, NDIG: tl.constexpr, FIELDS: tl.constexpr):
-    """Word ``WORD`` ``[NB_PAD]`` of the packed threshold counts: field ``f`` (16 bits) holds
-    ``v >= lo + d * step`` for ``d = FIELDS * WORD + f + 1 <= NDIG``; FIELDS = 4 (int64 words)
-    or 2 (int32 words: 32-bit shifts and ors, twice the words)."""
-    if FIELDS == 2:
-        packed = tl.zeros(v.shape, tl.int32)  # [NB_PAD]
-    else:
-        packed = tl.zeros(v.shape, tl.int64)  # [NB_PAD]
-    for f in tl.static_range(FIELDS):
-        if FIELDS * WORD + f + 1 <= NDIG:
-            t = lo + (FIELDS * WORD + f + 1) * step
-            packed = packed | ((v >= t).to(packed.dtype) << (16 * f))
+def _packed_counts(v, lo, step, WORD: tl.constexpr, NDIG: tl.constexpr):
+    """int64 word ``WORD`` ``[NB_PAD]`` of the packed threshold counts: field ``f`` (16 bits)
+    holds ``v >= lo + d * step`` for ``d = 4 * WORD + f + 1 <= NDIG``. (int32 words of two
+    fields measured the same on the H200, session 18.)"""
+    packed = tl.zeros(v.shape, tl.int64)  # [NB_PAD]
+    for f in tl.static_range(4):
+        if 4 * WORD + f + 1 <= NDIG:
+            t = lo + (4 * WORD + f + 1) * step
+            packed = packed | ((v >= t).to(tl.int64) << (16 * f))
     return packed
 
 
 @triton.jit
-def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr, PACK32: tl.constexpr):
+def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr):
     """Radix select over the keys ``v [NB_PAD]`` (int32, >= 0 where counted, -1 elsewhere);
     ``n_ge``: how many keys are counted (``#(v >= 0)``). ``RADIX_BITS`` (2, 3 or 4) bits per
     step: each step counts ``v >= lo + d * 2**shift`` for the ``2**RADIX_BITS - 1`` digits d
-    in ONE CTA reduction (counts <= MAX_BLOCKS in 16-bit fields, four per int64 word, or two
-    per int32 word with ``PACK32``; up to four words reduce together as a tuple).
+    in ONE CTA reduction (counts <= MAX_BLOCKS in 16-bit fields, four per int64 word; two or
+    four words reduce together as a tuple).
 
     Returns ``(lo, n_ge)``: ``n_ge = #(v >= lo) >= k`` and either ``n_ge == k`` (the top k are
     exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
     NDIG: tl.constexpr = (1 << RADIX_BITS) - 1  # thresholds per step
-    FIELDS: tl.constexpr = 2 if PACK32 else 4  # 16-bit count fields per word
-    NWORDS: tl.constexpr = (NDIG + FIELDS - 1) // FIELDS
+    NWORDS: tl.constexpr = (NDIG + 3) // 4  # int64 words of four 16-bit count fields
     # Start below the bits every counted key shares: the keys lie in [vmin, vmax], so they all
     # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
     # prefix; the first digit covers bits d .. d - RADIX_BITS + 1. Scores of one row span a
@@ -118,37 +114,33 @@ def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr, PACK32: tl.constexpr):
     while (n_ge > k) & (shift >= 0):
         step = 1 << shift
         if NWORDS == 1:
-            w0 = tl.sum(_packed_counts(v, lo, step, 0, NDIG, FIELDS))
+            w0 = tl.sum(_packed_counts(v, lo, step, 0, NDIG))
             w1 = w0
             w2 = w0
             w3 = w0
         elif NWORDS == 2:
             w0, w1 = tl.reduce(
-                (_packed_counts(v, lo, step, 0, NDIG, FIELDS),
-                 _packed_counts(v, lo, step, 1, NDIG, FIELDS)),
+                (_packed_counts(v, lo, step, 0, NDIG), _packed_counts(v, lo, step, 1, NDIG)),
                 0, _add2)  # fmt: skip
             w2 = w0
             w3 = w0
         else:
-            tl.static_assert(NWORDS <= 4, "PACK32 takes RADIX_BITS <= 3")
             w0, w1, w2, w3 = tl.reduce(
-                (_packed_counts(v, lo, step, 0, NDIG, FIELDS),
-                 _packed_counts(v, lo, step, 1, NDIG, FIELDS),
-                 _packed_counts(v, lo, step, 2, NDIG, FIELDS),
-                 _packed_counts(v, lo, step, 3, NDIG, FIELDS)),
+                (_packed_counts(v, lo, step, 0, NDIG), _packed_counts(v, lo, step, 1, NDIG),
+                 _packed_counts(v, lo, step, 2, NDIG), _packed_counts(v, lo, step, 3, NDIG)),
                 0, _add4)  # fmt: skip
         new_lo = lo
         new_n = n_ge
         # counts fall with the digit: the largest digit still holding >= k keys wins
         for dig in tl.static_range(1, NDIG + 1):
             word = w0
-            if (dig - 1) // FIELDS == 1:
+            if (dig - 1) // 4 == 1:
                 word = w1
-            elif (dig - 1) // FIELDS == 2:
+            elif (dig - 1) // 4 == 2:
                 word = w2
-            elif (dig - 1) // FIELDS == 3:
+            elif (dig - 1) // 4 == 3:
                 word = w3
-            c = ((word >> (16 * ((dig - 1) % FIELDS))) & 0xFFFF).to(tl.int32)
+            c = ((word >> (16 * ((dig - 1) % 4))) & 0xFFFF).to(tl.int32)
             new_lo = tl.where(c >= k, lo + dig * step, new_lo)
             new_n = tl.where(c >= k, c, new_n)
         lo = new_lo
@@ -169,12 +161,10 @@ def _chosen_topk(v, offs_c, k, NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):
 
 
 @triton.jit
-def _chosen_radix_to_scratch(
-    v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr, PACK32: tl.constexpr
-):
+def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr):
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
     (ties: lower block); then a CTA barrier."""
-    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), RADIX_BITS, PACK32)
+    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), RADIX_BITS)
     eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
     n_eq = tl.sum(eq.to(tl.int32))
     need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
@@ -207,7 +197,6 @@ def indexer_select_kernel(
     BLOCK_O: tl.constexpr,  # output positions per emission tile
     TOPK: tl.constexpr,  # select by tl.topk (else radix select + scratch)
     RADIX_BITS: tl.constexpr,  # bits per radix step (2, 3 or 4)
-    PACK32: tl.constexpr,  # radix counts in int32 words (2 fields) instead of int64 (4)
     IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
@@ -236,7 +225,7 @@ def indexer_select_kernel(
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
-        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS, PACK32)
+        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS)
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
     r = compress_ratio
@@ -263,13 +252,12 @@ def indexer_select_kernel(
 # Defaults of ``indexer_select``'s ``cfg`` (H200 sweeps, ``benchmarks/tune_indexer.py``,
 # ``benchmarks/results/tune_select_h200.json``: 2 bits beat 3 and 4 at every shape; BLOCK_O
 # 4096 pays from 4096 blocks on, see select_config)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, PACK32=False)
+SELECT_DEFAULTS = dict(RADIX_BITS=2)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
 def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     """The select launch's tunables: ``RADIX_BITS`` (2, 3 or 4 bits per radix step),
-    ``PACK32`` (the radix counts in int32 words of two fields rather than int64 of four),
     ``BLOCK_O`` (output positions per emission tile, a power of two >= 16; 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on: one tile issues every scratch load at once; H200: -4 to
     -10% at 256K tokens, +16% at 128K with budget 8192) and ``num_warps``;
@@ -277,13 +265,11 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     block_o = 256 if interpret else (4096 if nb_pad >= WIDE_EMIT_BLOCKS else 1024)
     out = dict(SELECT_DEFAULTS, BLOCK_O=block_o, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
-    unknown = set(out) - {"RADIX_BITS", "PACK32", "BLOCK_O", "num_warps"}
+    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps"}
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
         raise ValueError(f"select cfg['RADIX_BITS'] must be 2, 3 or 4, got {out['RADIX_BITS']}")
-    if out["PACK32"] and out["RADIX_BITS"] > 3:
-        raise ValueError("select cfg['PACK32'] takes RADIX_BITS 2 or 3 (at most 4 words)")
     bo = out["BLOCK_O"]
     if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
