@@ -268,8 +268,10 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     ``V_WORDS`` reads V as 4-byte words converted in a row-major layout (the P.V operand then
     comes from fp16 in shared memory by ldmatrix.trans): sm_90 SASS at BLOCK_N=128, 3 stages:
     941 instructions per unmasked tile (1023 without), 168 registers (255), 104 KiB shared
-    memory (72); not measured on the GPU yet, so only a config that sets ``V_WORDS=True`` takes
-    it (the GQA split kernel alone: the DSA and paged kernels share this config without it)."""
+    memory (72); measured slower on the H200 (B=8 T=128K: 691 us at 3 stages, 698 at 2, 740
+    with BLOCK_N 64, against 666 without; session 18, tune-int8 rows of ``benchmarks/results/
+    gqa.json``), so only a config that sets ``V_WORDS=True`` takes it (the GQA split kernel
+    alone: the DSA and paged kernels share this config without it)."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:

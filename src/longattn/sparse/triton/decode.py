@@ -445,8 +445,9 @@ def dsa_triton(
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
-    # a cfg with PREFETCH_ROWS (off by default, not measured yet): the split kernel starts
-    # during the prologue and L2-prefetches its selected rows before its PDL wait
+    # a cfg with PREFETCH_ROWS (off by default: the H200 layer chain, session 18, -1 to +6%):
+    # the split kernel starts during the prologue and L2-prefetches its selected rows before
+    # its PDL wait
     early = check_prefetch_rows(cfg)
     run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
                  q_plain, early)  # fmt: skip
