@@ -1,6 +1,7 @@
 """Gluon wgmma operand paths in isolation: A from shared memory (``ss``), A loaded from its
 NVMMA-swizzled shared tile into the register-operand layout (``rs``), and the first K/2 channels
-from registers with the rest from shared memory (``half``, as the removed Gluon prefill option ``Q_HALF_REGS`` did).
+from registers with the rest from shared memory (``half``, as the removed Gluon prefill option
+``Q_HALF_REGS`` did).
 An earlier all-of-Q-in-registers prefill variant gave wrong output on the H200 with no cause
 found; this probe separates the operand path from the attention kernel around it.
 

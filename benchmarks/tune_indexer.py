@@ -6,7 +6,8 @@ keys from DRAM).
     PYTHONPATH=src python benchmarks/tune_indexer.py --out $OUT
 
 Geometry of ``bench_sparse.py``: NI = 16 index heads of DI = 128, fp32 block keys, bf16 index
-query, r = 64, budget 2048 (32 blocks; ``--budgets`` for others). Writes ``tune_indexer.json`` under ``--out``.
+query, r = 64, budget 2048 (32 blocks; ``--budgets`` for others). Writes ``tune_indexer.json``
+under ``--out``.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     steps with 2 warps. Decode steps of 2..16 new tokens (speculative / multi-token decode)
     score ``S_TILE = max(1, 32 // NI)`` rows per program, one 32-row dot of (row, head) pairs,
     on S / S_TILE times the programs (H200, T = 128K, NI = 16, S = 8, session 18,
-    ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 38.2 -> 25.0)."""
+    ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 39.5 -> 25.0)."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
     small = min(s, BLOCK_S) * ni <= 16  # one 16-row dot holds the program's (row, head) pairs
