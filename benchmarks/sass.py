@@ -168,14 +168,14 @@ def _presets(cache: str):
                            "scale": "fp32"},
                           dict(NI=16, DI=128, DI_PAD=128, BLOCK_B=16, BLOCK_S=16, S_TILE=1,
                                BLOCK_R=16, BLOCK_D=128, IS_FIRST_PROMPT=False, OUT_KEYS=False,
-                               PDL=False), 4, 1),
+                               PDL=False, DOT_PREC="bf16x6"), 4, 1),
         "wgmma-probe": (wgmma_paths_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32"},
                         dict(M=64, N=64, K=256), 4, 1),
         "indexer-select": (indexer_select_kernel,
                            {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
-                           dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False,
-                                IS_FIRST_PROMPT=False, PDL=False), 8, 1),
+                           dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False, RADIX_BITS=2,
+                                IDS_IN_REGS=True, IS_FIRST_PROMPT=False, PDL=False), 8, 1),
     }  # fmt: skip
 
 

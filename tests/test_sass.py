@@ -132,3 +132,13 @@ def test_wgmma_probe_compiles_all_three_operand_paths():
     res = _sass("wgmma-probe")
     assert res["hist"].get("HGMMA", 0) == 48 and res["hgmma_rs"] == 24, res["hist"]
     assert res["stack"] == 0, res
+
+
+def test_indexer_score_dots_on_tensor_cores():
+    """The default decode score config (``DOT_PREC="bf16x6"``) runs both dots as HMMA (six bf16
+    partial products per fp32 pair: 96 for the 16x128x16 head dot), with no FFMA dot loop left;
+    ``"ieee"`` is the FFMA dot (273 FFMA), so the test tells them apart."""
+    fast = _sass("indexer-score")["hist"]
+    slow = _sass("indexer-score", "--set", "DOT_PREC=ieee")["hist"]
+    assert fast.get("HMMA", 0) >= 96 and fast.get("FFMA", 0) < 32, fast
+    assert slow.get("HMMA", 0) == 0 and slow.get("FFMA", 0) >= 256, slow

@@ -666,6 +666,15 @@ def test_indexer_scores_rows_per_program(s_tile):
 
 
 @interpret
+def test_indexer_score_dot_precision_is_checked():
+    iq, keys, sk = _icase(5, b=1, s=1, ni=2, di=16, nb=4, seqlens=[30])
+    cfg = dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4, DOT_PREC="tf32")
+    with pytest.raises(ValueError, match="DOT_PREC"):
+        indexer.indexer_scores(iq, keys, sk, cfg=cfg, num_index_heads=2, compress_ratio=8,
+                               scale=0.25, is_first_prompt=False)  # fmt: skip
+
+
+@interpret
 @pytest.mark.parametrize("s_tile", [17, -1])
 def test_indexer_rows_per_program_out_of_range(s_tile):
     iq, keys, sk = _icase(5, b=1, s=7, ni=2, di=16, nb=12, seqlens=[80])
@@ -752,6 +761,40 @@ def test_gpu_indexer_real_shapes(s, ni, di, t):
     iq, keys, sk = _icase(s + di, b=4, s=s, ni=ni, di=di, nb=t // r + 1, seqlens=seqlens,
                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
     check_indexer(iq, keys, sk, compress_ratio=r, token_budget=budget)
+
+
+@gpu
+@pytest.mark.parametrize("b,s,t", [(1, 1, 131072), (4, 1, 262144), (4, 8, 65536), (2, 64, 8192)])
+def test_gpu_indexer_scores_vs_fp64(b, s, t):
+    """The default score config (bf16x6 tensor-core dots) against an fp64 score: error within
+    2x of the same scores computed by torch in fp32 (TF32 off), and of the fp32 FMA dots."""
+    ni, di, r = 16, 128, 64
+    nb = t // r
+    iq, keys, sk = _icase(b * s + t, b=b, s=s, ni=ni, di=di, nb=nb, seqlens=[t - 1] * b,
+                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    kw = dict(num_index_heads=ni, compress_ratio=r, scale=di**-0.5, is_first_prompt=False)
+    got = indexer.indexer_scores(iq, keys, sk, **kw)
+    cfg = dict(indexer.score_config(b, s, ni, nb, 132, False), DOT_PREC="ieee")
+    fma = indexer.indexer_scores(iq, keys, sk, cfg=cfg, **kw)
+
+    def score(q, k):  # [B*S, NB]
+        d = torch.einsum("bshd,bcd->bshc", q.view(b, s, ni, di), k)
+        return (d.clamp_min(0).sum(2) * di**-0.5).reshape(b * s, nb)
+
+    want = score(iq.double(), keys.double())
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch32 = score(iq.float(), keys)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    vis = torch.isfinite(fma)  # blocks visible to each row (the rest is -inf)
+    assert torch.equal(torch.isfinite(got), vis)
+
+    def err(x):
+        return float(((x.double() - want).abs() / want.abs().clamp_min(1e-2))[vis].max())
+
+    assert err(got) <= 2 * max(err(torch32), err(fma)), (err(got), err(torch32), err(fma))
 
 
 @gpu

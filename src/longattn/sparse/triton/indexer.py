@@ -60,6 +60,7 @@ def indexer_score_kernel(
     IS_FIRST_PROMPT: tl.constexpr,
     OUT_KEYS: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    DOT_PREC: tl.constexpr = "ieee",  # both dots: "ieee" (fp32 FMA) or "bf16x6" (tensor cores)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid_b = tl.program_id(0)
@@ -87,10 +88,10 @@ def indexer_score_kernel(
                          other=0.0).to(tl.float32)  # [BLOCK_B, BLOCK_D]  # fmt: skip
             q = tl.load(q_rows + offs_d[None, :], mask=r_ok[:, None] & mask_d[None, :],
                         other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]  # fmt: skip
-            dots += tl.dot(q, tl.trans(kt), input_precision="ieee")  # [BLOCK_R, BLOCK_B]
+            dots += tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # [BLOCK_R, BLOCK_B]
         dots = tl.maximum(dots, 0.0)
         sel = (s_loc[None, :] == offs_s[:, None]) & r_ok[None, :]  # [BLOCK_S, BLOCK_R]
-        acc += tl.dot(sel.to(tl.float32), dots, input_precision="ieee")
+        acc += tl.dot(sel.to(tl.float32), dots, input_precision=DOT_PREC)
 
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
     srow = s0 + offs_s  # [BLOCK_S] new-token index
@@ -116,6 +117,10 @@ def indexer_score_kernel(
 
 
 BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
+# ``DOT_PREC`` of the score dots: fp32 FMA, or fp32 operands split into three bf16 parts each
+# with the six largest partial products on tensor cores (fp32-level error: the dropped terms
+# are ~2**-24 of each product)
+DOT_PRECISIONS = ("ieee", "bf16x6")
 
 
 def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpret: bool) -> dict:
@@ -133,7 +138,14 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     steps with 2 warps. Decode steps of 2..16 new tokens (speculative / multi-token decode)
     score ``S_TILE = max(1, 32 // NI)`` rows per program, one 32-row dot of (row, head) pairs,
     on S / S_TILE times the programs (H200, T = 128K, NI = 16, S = 8, session 18,
-    ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 39.5 -> 25.0)."""
+    ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 39.5 -> 25.0).
+
+    Both dots run as ``bf16x6`` on tensor cores (``DOT_PREC``; H200, session 19,
+    ``benchmarks/results/score_prec_h200.json``, fp32 FMA -> bf16x6 at T = 128K / 256K: B=1
+    S=1 4.09 -> 3.91 / 6.59 -> 3.48 us, B=4 S=1 8.70 -> 5.36 / 14.58 -> 7.44, S=8 B=1 10.92 ->
+    6.33, B=4 25.02 -> 12.44; the error against an fp64 score was lower at every shape, e.g.
+    3.7e-7 vs 5.0e-7 relative at B=1 S=1 T=128K). Multi-token programs take 4 warps when the
+    grid fits one wave (B=1 S=8: 6.33 vs 8.83 us with 2), else 2 (B=4 S=8: 12.44 vs 16.34)."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
     small = min(s, BLOCK_S) * ni <= 16  # one 16-row dot holds the program's (row, head) pairs
@@ -145,8 +157,10 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
             block_b = cand
             break
     if small:
-        return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4)
-    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=2, S_TILE=s_tile)
+        return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4, DOT_PREC="bf16x6")
+    one_wave = cdiv(num_blocks, block_b) * s_tiles * b <= num_sms
+    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=4 if one_wave else 2,
+                S_TILE=s_tile, DOT_PREC="bf16x6")  # fmt: skip
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
@@ -165,6 +179,11 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     s_tile = cfg.pop("S_TILE", None) or min(BLOCK_S, s)  # rows per program
     if not 1 <= s_tile <= BLOCK_S:
         raise ValueError(f"cfg['S_TILE'] must be in [1, {BLOCK_S}], got {s_tile}")
+    prec = cfg.get("DOT_PREC", "ieee")
+    if prec not in DOT_PRECISIONS:
+        raise ValueError(f"cfg['DOT_PREC'] must be one of {DOT_PRECISIONS}, got {prec!r}")
+    if _interpret():
+        cfg["DOT_PREC"] = "ieee"  # the interpreter's dot is fp32 numpy (and takes no bf16x6)
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     indexer_score_kernel[grid](
         **pdl_kwargs(index_query),

@@ -20,17 +20,22 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      (those past ``k`` replaced by a sentinel) ``tl.sort`` puts in ascending order, in registers.
    - radix (wider rows): radix select of the k-th largest key, ``RADIX_BITS`` bits per step
      (default 2); it starts below the bits that the largest and smallest counted keys share
-     (one max + one min reduction), then each step counts ``v >= lo + d * 2**shift`` for
+     (one max-min reduction), then each step counts ``v >= lo + d * 2**shift`` for
      d = 1 .. 2**RADIX_BITS - 1 in ONE packed reduction (16-bit count fields, four per int64
      word; 2 bits: d = 1, 2, 3 in one word) and keeps the largest threshold still holding
-     >= k keys; it stops as soon as exactly k keys are ``>= lo``. Chosen: every key
-     ``> lo``, then keys ``== lo`` in ascending block order until k are chosen (the rank among
-     equal keys is only computed when a tie at the threshold has to be broken); an inclusive
+     >= k keys; it stops as soon as exactly k keys are ``>= lo`` (then those are chosen, the
+     usual exit). Otherwise lo is the k-th key and ties it: every key ``> lo``, then keys
+     ``== lo`` in ascending block order until k are chosen (a count and a rank); an inclusive
      cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
      per-row scratch row ``[kb]`` int32 (then a CTA barrier).
-4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r`` (a register
-   gather, or a scratch load); then the trailing block's ``trail`` positions
-   ``n_complete*r + t``; then -1. ``count = k*r + trail``.
+4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r``, a register
+   gather from ``ids [KB_PAD]`` (the radix method reads its scratch row back once), or, for
+   radix tiles of ``WIDE_EMIT_BLOCKS`` or more, a scratch load; then the trailing block's
+   ``trail`` positions ``n_complete*r + t``; then -1. ``count = k*r + trail``. (H200, session
+   19, ``benchmarks/results/select_tail_h200.json``: the register gather, the one max-min
+   reduction and the tie count only on ties: B=1 S=1 T=128K 7.01 -> 6.62 us at budget 2048,
+   9.55 -> 8.44 at 8192; -1.3 to -5% at T=256K, where the 4096-wide tiles keep the scratch
+   loads: a first run with the gather there lost 1-2%, ``score_prec_h200.json``.)
 
 No host sync, grid from shapes only. Rows hold up to ``MAX_BLOCKS`` blocks in registers; beyond
 that the caller keeps the torch top-k path.
@@ -56,6 +61,11 @@ def _order_keys(score, visible):
     key = tl.where(bits < 0, 0, bits)  # -0.0 (and the impossible negatives) -> +0.0
     key = tl.where(score != score, _NAN_KEY, key)
     return tl.where(visible, key, -1)
+
+
+@triton.jit
+def _max_min(a_max, a_min, b_max, b_min):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
 
 
 @triton.jit
@@ -97,8 +107,8 @@ def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr):
     # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
     # prefix; the first digit covers bits d .. d - RADIX_BITS + 1. Scores of one row span a
     # few octaves, so this skips the exponent's leading steps (each a CTA-wide reduction).
-    vmax = tl.max(v, 0)
-    vmin = tl.min(tl.where(v >= 0, v, vmax), 0)
+    vmax, vmin = tl.reduce((v, tl.where(v >= 0, v, 0x7FFFFFFF)), 0, _max_min)  # one reduction
+    vmin = tl.minimum(vmin, vmax)  # no counted key: vmin = vmax = -1
     diff = vmax ^ vmin
     # highest set bit of diff via its fp32 exponent (int -> fp32 rounds up at most one binade:
     # an over-estimate only costs one more step, the invariant still holds)
@@ -166,14 +176,13 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
     (ties: lower block); then a CTA barrier."""
     lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), RADIX_BITS)
-    eq = v == lo  # [NB_PAD]: keys at the threshold (v = -1 never equals lo >= 0)
-    n_eq = tl.sum(eq.to(tl.int32))
-    need = k - (n_ge - n_eq)  # equal keys to take, lowest block ids first
-    take_eq = eq
-    if need < n_eq:  # a tie at the threshold (rare): rank the equal keys by block id
+    chosen = v >= lo  # [NB_PAD]: n_ge keys; exactly the k best when n_ge == k (the usual exit)
+    if n_ge > k:  # a tie at the threshold lo = the k-th key: its lowest block ids first
+        eq = v == lo  # [NB_PAD] (v = -1 never equals lo >= 0)
+        need = k - (n_ge - tl.sum(eq.to(tl.int32)))  # equal keys to take
         eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
-        take_eq = eq & (eq_rank <= need)
-    chosen = ((v > lo) | take_eq) & (k > 0)  # [NB_PAD], k of them
+        chosen = (v > lo) | (eq & (eq_rank <= need))
+    chosen = chosen & (k > 0)  # [NB_PAD], k of them
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
@@ -198,6 +207,7 @@ def indexer_select_kernel(
     BLOCK_O: tl.constexpr,  # output positions per emission tile
     TOPK: tl.constexpr,  # select by tl.topk (else radix select + scratch)
     RADIX_BITS: tl.constexpr,  # bits per radix step (2, 3 or 4)
+    IDS_IN_REGS: tl.constexpr,  # radix: emission gathers the ids from registers (else scratch)
     IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
@@ -227,6 +237,9 @@ def indexer_select_kernel(
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
         _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS)
+        if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
+            slots = tl.arange(0, KB_PAD)  # [KB_PAD]
+            ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
     r = compress_ratio
@@ -238,9 +251,9 @@ def indexer_select_kernel(
         j = j0 + tl.arange(0, BLOCK_O)  # [BLOCK_O] output slots
         sl = j // r
         in_sel = j < n_sel_tok
-        if TOPK:
+        if TOPK or IDS_IN_REGS:
             blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
-        else:
+        else:  # one wide tile: its scratch loads are one round trip anyway
             blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
                           cache_modifier=".cg")  # fmt: skip
         t = j - n_sel_tok
@@ -345,6 +358,7 @@ def indexer_select(
         NB_PAD=nb_pad,
         KB_PAD=min(max(2, next_pow2(kb)), nb_pad),
         TOPK=topk,
+        IDS_IN_REGS=tune["BLOCK_O"] < WIDE_EMIT_BLOCKS,
         IS_FIRST_PROMPT=is_first_prompt,
         **tune,
     )
