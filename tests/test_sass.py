@@ -135,10 +135,14 @@ def test_wgmma_probe_compiles_all_three_operand_paths():
 
 
 def test_indexer_score_dots_on_tensor_cores():
-    """The default decode score config (``DOT_PREC="bf16x6"``) runs both dots as HMMA (six bf16
-    partial products per fp32 pair: 96 for the 16x128x16 head dot), with no FFMA dot loop left;
-    ``"ieee"`` is the FFMA dot (273 FFMA), so the test tells them apart."""
-    fast = _sass("indexer-score")["hist"]
+    """The default decode score config (``DOT_PREC="split3"``, 32-block tiles) runs both dots
+    as HMMA (per warp: three bf16 products per key part, 3 x 8 k-steps = 24 for its 16x128x8
+    share of the dot, 3 for the head sum: 27), with no FFMA dot loop and no spill; ``"bf16x6"``
+    splits the query too (54) and ``"ieee"`` is the FFMA dot, so the test tells them apart."""
+    fast = _sass("indexer-score")
+    six = _sass("indexer-score", "--set", "DOT_PREC=bf16x6")["hist"]
     slow = _sass("indexer-score", "--set", "DOT_PREC=ieee")["hist"]
-    assert fast.get("HMMA", 0) >= 96 and fast.get("FFMA", 0) < 32, fast
+    hist = fast["hist"]
+    assert 24 <= hist.get("HMMA", 0) < six.get("HMMA", 0) and hist.get("FFMA", 0) < 32, hist
+    assert fast["stack"] == 0, fast["stack"]
     assert slow.get("HMMA", 0) == 0 and slow.get("FFMA", 0) >= 256, slow

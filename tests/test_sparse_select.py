@@ -279,24 +279,23 @@ def test_triton_tier_scores_only_blocks_below_total():
 
 
 def test_score_config_fills_one_wave():
-    """The score kernel's tile rule (H200 sweep in indexer.score_config's docstring): the
-    smallest key tile whose grid fits one wave; 16-row dots for one token's 16 (row, head)
-    pairs, 32-row dots beyond that (4 warps when the grid fits one wave, else 2), over
-    32 // NI rows per program for 2..16 new tokens; bf16x6 tensor-core dots."""
+    """The score kernel's tile rule (H200 sweeps in indexer.score_config's docstring): one
+    token's 16 (row, head) pairs in 16-row dots over 32-block tiles; beyond that 32-row dots,
+    the smallest key tile whose grid fits one wave, over 32 // NI rows per program for 2..16
+    new tokens (4 warps; prefill 2); split3 tensor-core dots."""
     from longattn.sparse.triton.indexer import score_config
 
     cfg = score_config(1, 1, 16, 2048, 132, interpret=False)
-    assert cfg == dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=128, num_warps=4, DOT_PREC="bf16x6")
-    assert score_config(4, 1, 16, 2048, 132, interpret=False)["BLOCK_B"] == 64  # 4 x 128 > 132
-    assert score_config(4, 1, 16, 1024, 132, interpret=False)["BLOCK_B"] == 32  # 4 x 32 <= 132
+    assert cfg == dict(BLOCK_B=32, BLOCK_R=16, BLOCK_D=128, num_warps=4, DOT_PREC="split3")
+    assert score_config(4, 1, 16, 4096, 132, interpret=False)["BLOCK_B"] == 32  # any grid
     # 2..16 new tokens: 2 rows (32 pairs) per program, 4 x 32 tiles of 64 blocks <= 132
     cfg = score_config(1, 8, 16, 2048, 132, interpret=False)
     assert cfg == dict(BLOCK_B=64, BLOCK_R=32, BLOCK_D=32, num_warps=4, S_TILE=2,
-                       DOT_PREC="bf16x6")  # fmt: skip
-    assert score_config(4, 8, 16, 2048, 132, interpret=False)["num_warps"] == 2  # 4 waves
+                       DOT_PREC="split3")  # fmt: skip
     assert score_config(1, 8, 16, 512, 132, interpret=False)["BLOCK_B"] == 16  # 4 x 32 tiles
     assert score_config(1, 3, 32, 2048, 132, interpret=False)["S_TILE"] == 1
-    assert score_config(1, 64, 16, 2048, 132, interpret=False)["S_TILE"] == 16  # prefill
+    prefill = score_config(1, 64, 16, 2048, 132, interpret=False)
+    assert prefill["S_TILE"] == 16 and prefill["num_warps"] == 2
     assert score_config(1, 1, 32, 2048, 132, interpret=False)["BLOCK_R"] == 32  # 32 pairs
 
 

@@ -764,14 +764,19 @@ def test_gpu_indexer_real_shapes(s, ni, di, t):
 
 
 @gpu
-@pytest.mark.parametrize("b,s,t", [(1, 1, 131072), (4, 1, 262144), (4, 8, 65536), (2, 64, 8192)])
-def test_gpu_indexer_scores_vs_fp64(b, s, t):
-    """The default score config (bf16x6 tensor-core dots) against an fp64 score: error within
-    2x of the same scores computed by torch in fp32 (TF32 off), and of the fp32 FMA dots."""
+@pytest.mark.parametrize(
+    "b,s,t,dtype",
+    [(1, 1, 131072, torch.bfloat16), (4, 1, 262144, torch.bfloat16), (4, 8, 65536, torch.bfloat16),
+     (2, 64, 8192, torch.bfloat16), (2, 1, 65536, torch.float16), (1, 8, 32768, torch.float32)],
+)  # fmt: skip
+def test_gpu_indexer_scores_vs_fp64(b, s, t, dtype):
+    """The default score config (split3 tensor-core dots for a bf16 query, bf16x6 for fp16 /
+    fp32) against an fp64 score: error within 2x of the same scores computed by torch in fp32
+    (TF32 off), and of the fp32 FMA dots."""
     ni, di, r = 16, 128, 64
     nb = t // r
     iq, keys, sk = _icase(b * s + t, b=b, s=s, ni=ni, di=di, nb=nb, seqlens=[t - 1] * b,
-                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+                          dtype=dtype, device="cuda")  # fmt: skip
     kw = dict(num_index_heads=ni, compress_ratio=r, scale=di**-0.5, is_first_prompt=False)
     got = indexer.indexer_scores(iq, keys, sk, **kw)
     cfg = dict(indexer.score_config(b, s, ni, nb, 132, False), DOT_PREC="ieee")

@@ -36,6 +36,22 @@ _empty = torch.empty  # buffers of this tier (tests poison them)
 
 
 @triton.jit
+def _dot_split3(a, b, acc_hi, acc_lo):
+    """``a @ b`` for bf16 ``a [M, K]`` and fp32 ``b [K, N]`` added to a two-part accumulator:
+    ``b`` is split exactly into three bf16 parts (``b = hi + mid + lo``, 8 + 8 + 8 significand
+    bits), every product of bf16 values is exact in fp32, and the small parts' products sum in
+    their own fp32 accumulator ``acc_lo`` (so a later chunk's ``lo`` is not added to a large
+    running sum); the result is ``acc_hi + acc_lo``, the only roundings are fp32 additions."""
+    hi = b.to(tl.bfloat16)
+    rest = b - hi.to(tl.float32)  # exact
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact
+    acc_lo = tl.dot(a, lo, acc_lo)
+    acc_lo = tl.dot(a, mid, acc_lo)
+    return tl.dot(a, hi, acc_hi), acc_lo
+
+
+@triton.jit
 def indexer_score_kernel(
     q_ptr,  # [B, S, NI * DI] float, last dim contiguous
     k_ptr,  # [B, NB, DI] float block keys, last dim contiguous
@@ -60,7 +76,7 @@ def indexer_score_kernel(
     IS_FIRST_PROMPT: tl.constexpr,
     OUT_KEYS: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    DOT_PREC: tl.constexpr = "ieee",  # both dots: "ieee" (fp32 FMA) or "bf16x6" (tensor cores)
+    DOT_PREC: tl.constexpr = "ieee",  # both dots: "ieee" (fp32 FMA), "bf16x6" or "split3" (MMA)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid_b = tl.program_id(0)
@@ -71,6 +87,7 @@ def indexer_score_kernel(
     k_rows = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn  # [BLOCK_B, 1]
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] local query rows
     acc = tl.zeros([BLOCK_S, BLOCK_B], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_S, BLOCK_B], dtype=tl.float32)  # split3: the small parts' sums
     for r0 in range(0, S_TILE * NI, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)  # [BLOCK_R] (row, head) pairs, r = s_local*NI + h
         s_loc = offs_r // NI
@@ -79,6 +96,7 @@ def indexer_score_kernel(
         q_rows = q_ptr + b * stride_qb + (s0 + s_loc).to(tl.int64)[:, None] * stride_qs
         q_rows = q_rows + (hh * DI)[:, None]  # [BLOCK_R, 1]
         dots = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+        dots_lo = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)  # split3
         # DI in chunks of BLOCK_D keeps the fp32 FMA dot's operands in registers; the key
         # chunks are read from DRAM by the first row chunk (a decode step has one), then L1/L2
         for d0 in tl.static_range(0, DI_PAD, BLOCK_D):
@@ -87,11 +105,18 @@ def indexer_score_kernel(
             kt = tl.load(k_rows + offs_d[None, :], mask=mask_c[:, None] & mask_d[None, :],
                          other=0.0).to(tl.float32)  # [BLOCK_B, BLOCK_D]  # fmt: skip
             q = tl.load(q_rows + offs_d[None, :], mask=r_ok[:, None] & mask_d[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]  # fmt: skip
-            dots += tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # [BLOCK_R, BLOCK_B]
-        dots = tl.maximum(dots, 0.0)
+                        other=0.0)  # [BLOCK_R, BLOCK_D]  # fmt: skip
+            if DOT_PREC == "split3":  # q is bf16: three exact bf16 products per key part
+                dots, dots_lo = _dot_split3(q, tl.trans(kt), dots, dots_lo)  # [BLOCK_R, BLOCK_B]
+            else:
+                dots += tl.dot(q.to(tl.float32), tl.trans(kt), input_precision=DOT_PREC)
+        dots = tl.maximum(dots + dots_lo, 0.0)  # [BLOCK_R, BLOCK_B]
         sel = (s_loc[None, :] == offs_s[:, None]) & r_ok[None, :]  # [BLOCK_S, BLOCK_R]
-        acc += tl.dot(sel.to(tl.float32), dots, input_precision=DOT_PREC)
+        if DOT_PREC == "split3":
+            acc, acc_lo = _dot_split3(sel.to(tl.bfloat16), dots, acc, acc_lo)
+        else:
+            acc += tl.dot(sel.to(tl.float32), dots, input_precision=DOT_PREC)
+    acc += acc_lo  # [BLOCK_S, BLOCK_B] (zeros unless split3)
 
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
     srow = s0 + offs_s  # [BLOCK_S] new-token index
@@ -117,10 +142,11 @@ def indexer_score_kernel(
 
 
 BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
-# ``DOT_PREC`` of the score dots: fp32 FMA, or fp32 operands split into three bf16 parts each
-# with the six largest partial products on tensor cores (fp32-level error: the dropped terms
-# are ~2**-24 of each product)
-DOT_PRECISIONS = ("ieee", "bf16x6")
+# ``DOT_PREC`` of the score dots: fp32 FMA; fp32 operands split into three bf16 parts each
+# with the six largest partial products on tensor cores (triton's bf16x6: the dropped terms are
+# ~2**-24 of each product); or a bf16 query against the fp32 operand's exact three-part split
+# (``_dot_split3``: exact products)
+DOT_PRECISIONS = ("ieee", "bf16x6", "split3")
 
 
 def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpret: bool) -> dict:
@@ -140,27 +166,33 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
     on S / S_TILE times the programs (H200, T = 128K, NI = 16, S = 8, session 18,
     ``benchmarks/results/tune_indexer_s8_h200.json``: B=1 17.9 -> 10.9 us, B=4 39.5 -> 25.0).
 
-    Both dots run as ``bf16x6`` on tensor cores (``DOT_PREC``; H200, session 19,
-    ``benchmarks/results/score_prec_h200.json``, fp32 FMA -> bf16x6 at T = 128K / 256K: B=1
-    S=1 4.09 -> 3.91 / 6.59 -> 3.48 us, B=4 S=1 8.70 -> 5.36 / 14.58 -> 7.44, S=8 B=1 10.92 ->
-    6.33, B=4 25.02 -> 12.44; the error against an fp64 score was lower at every shape, e.g.
-    3.7e-7 vs 5.0e-7 relative at B=1 S=1 T=128K). Multi-token programs take 4 warps when the
-    grid fits one wave (B=1 S=8: 6.33 vs 8.83 us with 2), else 2 (B=4 S=8: 12.44 vs 16.34)."""
+    Both dots run on tensor cores (``DOT_PREC``, H200, session 19): ``split3`` takes the bf16
+    index query as is and splits the fp32 operand exactly into three bf16 parts, so every
+    product is exact and only fp32 additions round (``_dot_split3``); ``bf16x6`` (triton's
+    split of both operands) is the fallback for fp16 / fp32 queries. fp32 FMA -> bf16x6 ->
+    split3 (``benchmarks/results/score_split3_h200.json``, a CUDA graph of 16 layers): B=1
+    S=1 T=128K 4.10 -> 3.97 -> 2.36 us, T=256K 6.66 -> 3.53 -> 2.64; B=4 S=1 8.69 -> 5.37 ->
+    3.97 / 14.66 -> 7.50 -> 5.69; B=1 S=8 T=128K 11.12 -> 6.32 -> 4.38; B=4 S=8 24.92 -> 12.36
+    -> 12.08 / 48.47 -> 23.11 -> 18.41 (T=128K / 256K). The max error against an fp64 score
+    was at most the FMA dots' at 10 of 11 shapes and 1.9x it at B=1 S=8 T=256K (4.8e-6 vs
+    2.5e-6 relative, on a score near zero). With split3 one new token's programs take
+    32-block tiles at any grid size (first sweep, T=128K, B=1: 2.47 us vs 3.04 with 16 and 3.29
+    with 64; B=4: 4.06 vs 4.54 with 64), and 2..16 new tokens 4 warps (B=4 S=8: 8.61 vs 9.88 us
+    with 2); prefill rows keep 2 warps (not re-tuned)."""
     if interpret:
         return dict(BLOCK_B=16, BLOCK_R=16, BLOCK_D=16, num_warps=4)
     small = min(s, BLOCK_S) * ni <= 16  # one 16-row dot holds the program's (row, head) pairs
-    s_tile = max(1, min(s, 32 // ni)) if 1 < s <= BLOCK_S and not small else min(s, BLOCK_S)
+    if small:
+        return dict(BLOCK_B=32, BLOCK_R=16, BLOCK_D=128, num_warps=4, DOT_PREC="split3")
+    s_tile = max(1, min(s, 32 // ni)) if 1 < s <= BLOCK_S else min(s, BLOCK_S)
     s_tiles = cdiv(max(s, 1), s_tile)
     block_b = 64
     for cand in (16, 32):
         if cdiv(num_blocks, cand) * s_tiles * b <= num_sms:
             block_b = cand
             break
-    if small:
-        return dict(BLOCK_B=block_b, BLOCK_R=16, BLOCK_D=128, num_warps=4, DOT_PREC="bf16x6")
-    one_wave = cdiv(num_blocks, block_b) * s_tiles * b <= num_sms
-    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=4 if one_wave else 2,
-                S_TILE=s_tile, DOT_PREC="bf16x6")  # fmt: skip
+    return dict(BLOCK_B=block_b, BLOCK_R=32, BLOCK_D=32, num_warps=4 if s <= BLOCK_S else 2,
+                S_TILE=s_tile, DOT_PREC="split3")  # fmt: skip
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
@@ -184,6 +216,8 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         raise ValueError(f"cfg['DOT_PREC'] must be one of {DOT_PRECISIONS}, got {prec!r}")
     if _interpret():
         cfg["DOT_PREC"] = "ieee"  # the interpreter's dot is fp32 numpy (and takes no bf16x6)
+    elif prec == "split3" and index_query.dtype != torch.bfloat16:
+        cfg["DOT_PREC"] = "bf16x6"  # split3 takes the query as exact bf16 values
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     indexer_score_kernel[grid](
         **pdl_kwargs(index_query),
