@@ -96,6 +96,10 @@ def _scores(gen, rows, nb, kind):
         bits = torch.randint(0x40000000, 0x42000000, (rows, nb), generator=gen, dtype=torch.int32)
         bits[:, 0], bits[:, -1] = 0x40000000, 0x41FFFFFF
         sc = bits.view(torch.float32)
+    elif kind == "strided":  # the best blocks in few strided groups c = g (mod G): the radix
+        # floor (least group maximum) lies far below the k-th key
+        c = torch.arange(nb)
+        sc = torch.rand(rows, nb, generator=gen) + 100.0 * (c % 16 == 0) + 10.0 * (c % 4 == 0)
     else:  # continuous, wide range
         sc = torch.rand(rows, nb, generator=gen) ** 3 * 1e3
     return sc.to(DEV)
@@ -111,11 +115,14 @@ _SELECT_GRID = [
     (2, 2, 8, 6, [30, 60], False),  # budget < r: trailing tokens only
     (2, 1, 4, 400, [30, 70], False),  # budget > every block
     (1, 1, 2, 130, [600], False),  # k = 65 > 64, NB padded to 512
+    (1, 1, 4, 80, [101], False),  # k = 20 < 25 complete blocks < KB_PAD = 32 groups
 ]
 
 
 @interpret
-@pytest.mark.parametrize("kind", ["ties", "equal", "zeros", "nan", "close", "prefix", "rand"])
+@pytest.mark.parametrize(
+    "kind", ["ties", "equal", "zeros", "nan", "close", "prefix", "strided", "rand"]
+)
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
 def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind, method):
     gen = torch.Generator().manual_seed(len(seqlens) * 31 + s * 7 + r + budget)

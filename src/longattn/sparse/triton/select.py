@@ -19,9 +19,10 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      ``tl.topk`` (a bitonic top-k network) returns the ``KB_PAD >= k`` largest, whose block ids
      (those past ``k`` replaced by a sentinel) ``tl.sort`` puts in ascending order, in registers.
    - radix (wider rows): radix select of the k-th largest key, ``RADIX_BITS`` bits per step
-     (default 2); it starts below the bits that the largest and smallest counted keys share
-     (one max-min reduction), then each step counts ``v >= lo + d * 2**shift`` for
-     d = 1 .. 2**RADIX_BITS - 1 in ONE packed reduction (16-bit count fields, four per int64
+     (default 2); it starts below the bits shared by the largest key and a floor <= the k-th
+     largest (the least maximum of KB_PAD >= k strided groups of blocks; a reduction along
+     the groups and one max-min reduction), then each step counts ``v >= lo + d * 2**shift``
+     for d = 1 .. 2**RADIX_BITS - 1 in ONE packed reduction (16-bit count fields, four per int64
      word; 2 bits: d = 1, 2, 3 in one word) and keeps the largest threshold still holding
      >= k keys; it stops as soon as exactly k keys are ``>= lo`` (then those are chosen, the
      usual exit). Otherwise lo is the k-th key and ties it: every key ``> lo``, then keys
@@ -35,7 +36,9 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
    19, ``benchmarks/results/select_tail_h200.json``: the register gather, the one max-min
    reduction and the tie count only on ties: B=1 S=1 T=128K 7.01 -> 6.62 us at budget 2048,
    9.55 -> 8.44 at 8192; -1.3 to -5% at T=256K, where the 4096-wide tiles keep the scratch
-   loads: a first run with the gather there lost 1-2%, ``score_prec_h200.json``.)
+   loads: a first run with the gather there lost 1-2%, ``score_prec_h200.json``. The radix
+   floor start then took B=1 S=1 T=128K 6.77 -> 5.42 us and T=256K 9.30 -> 7.31 at budget
+   2048, 8.32 -> 8.05 and 10.97 -> 9.86 at 8192; ``run2_rows`` of the same file.)
 
 No host sync, grid from shapes only. Rows hold up to ``MAX_BLOCKS`` blocks in registers; beyond
 that the caller keeps the torch top-k path.
@@ -92,9 +95,10 @@ def _packed_counts(v, lo, step, WORD: tl.constexpr, NDIG: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr):
+def _kth_largest(v, k, n_ge, vmax, floor, RADIX_BITS: tl.constexpr):
     """Radix select over the keys ``v [NB_PAD]`` (int32, >= 0 where counted, -1 elsewhere);
-    ``n_ge``: how many keys are counted (``#(v >= 0)``). ``RADIX_BITS`` (2, 3 or 4) bits per
+    ``vmax`` the largest key, ``floor >= 0`` a key at most the k-th largest; ``n_ge`` an upper
+    bound of ``#(v >= floor)`` that is exact when it equals k. ``RADIX_BITS`` (2, 3 or 4) bits per
     step: each step counts ``v >= lo + d * 2**shift`` for the ``2**RADIX_BITS - 1`` digits d
     in ONE CTA reduction (counts <= MAX_BLOCKS in 16-bit fields, four per int64 word; two or
     four words reduce together as a tuple).
@@ -103,13 +107,11 @@ def _kth_largest(v, k, n_ge, RADIX_BITS: tl.constexpr):
     exactly the keys ``>= lo``) or ``lo`` is the k-th largest key (``#(v > lo) < k``)."""
     NDIG: tl.constexpr = (1 << RADIX_BITS) - 1  # thresholds per step
     NWORDS: tl.constexpr = (NDIG + 3) // 4  # int64 words of four 16-bit count fields
-    # Start below the bits every counted key shares: the keys lie in [vmin, vmax], so they all
-    # carry the bits above the highest bit ``d`` where vmin and vmax differ. lo = that common
-    # prefix; the first digit covers bits d .. d - RADIX_BITS + 1. Scores of one row span a
-    # few octaves, so this skips the exponent's leading steps (each a CTA-wide reduction).
-    vmax, vmin = tl.reduce((v, tl.where(v >= 0, v, 0x7FFFFFFF)), 0, _max_min)  # one reduction
-    vmin = tl.minimum(vmin, vmax)  # no counted key: vmin = vmax = -1
-    diff = vmax ^ vmin
+    # Start below the bits that every key in [floor, vmax] shares: the bits above the highest
+    # bit ``d`` where floor and vmax differ. lo = that common prefix (<= floor, so at least k
+    # keys are >= lo); the first digit covers bits d .. d - RADIX_BITS + 1. The k best keys lie
+    # close below vmax, so this skips the leading steps (each a CTA-wide reduction).
+    diff = vmax ^ floor
     # highest set bit of diff via its fp32 exponent (int -> fp32 rounds up at most one binade:
     # an over-estimate only costs one more step, the invariant still holds)
     d = (diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
@@ -172,14 +174,29 @@ def _chosen_topk(v, offs_c, k, NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):
 
 
 @triton.jit
-def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr):
+def _radix_bounds(v, NB_PAD: tl.constexpr, G: tl.constexpr):
+    """``(vmax, floor)`` of the keys ``v [NB_PAD]``: the largest key and a key at most the k-th
+    largest, from the maxima of the ``G >= k`` strided groups ``c = g (mod G)``: when every
+    group holds a counted key, ``G >= k`` distinct keys are ``>= floor`` = the least group
+    maximum (a row of uniform scores: ~3 radix steps fewer); otherwise ``floor`` = 0. When
+    every counted key is chosen (``k == n_complete <= kb <= G``), either a group is empty or
+    each group holds one block and ``floor`` is the least key, so every key is ``>= lo``."""
+    gmax = tl.max(tl.reshape(v, [NB_PAD // G, G]), 0)  # [G] group maxima (row-major reshape)
+    vmax, floor = tl.reduce((gmax, gmax), 0, _max_min)  # one reduction over [G]
+    return vmax, tl.maximum(floor, 0)  # an empty group (max -1): floor 0
+
+
+@triton.jit
+def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr,
+                             NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):  # fmt: skip
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
     (ties: lower block); then a CTA barrier."""
-    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), RADIX_BITS)
-    chosen = v >= lo  # [NB_PAD]: n_ge keys; exactly the k best when n_ge == k (the usual exit)
-    if n_ge > k:  # a tie at the threshold lo = the k-th key: its lowest block ids first
+    vmax, floor = _radix_bounds(v, NB_PAD, KB_PAD)
+    lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), vmax, floor, RADIX_BITS)
+    chosen = v >= lo  # [NB_PAD]: exactly the k best when n_ge == k (the usual exit)
+    if n_ge > k:  # lo is the k-th key and ties it (n_ge may be a bound): lowest block ids first
         eq = v == lo  # [NB_PAD] (v = -1 never equals lo >= 0)
-        need = k - (n_ge - tl.sum(eq.to(tl.int32)))  # equal keys to take
+        need = k - tl.sum((v > lo).to(tl.int32))  # equal keys to take
         eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
         chosen = (v > lo) | (eq & (eq_rank <= need))
     chosen = chosen & (k > 0)  # [NB_PAD], k of them
@@ -236,7 +253,8 @@ def indexer_select_kernel(
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
-        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS)
+        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS, NB_PAD,
+                                 KB_PAD)  # fmt: skip
         if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
             slots = tl.arange(0, KB_PAD)  # [KB_PAD]
             ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
