@@ -179,7 +179,7 @@ def _radix_bounds(v, NB_PAD: tl.constexpr, G: tl.constexpr):
     largest, from the maxima of the ``G >= k`` strided groups ``c = g (mod G)``: when every
     group holds a counted key, ``G >= k`` distinct keys are ``>= floor`` = the least group
     maximum (a row of uniform scores: ~3 radix steps fewer); otherwise ``floor`` = 0. When
-    every counted key is chosen (``k == n_complete <= kb <= G``), either a group is empty or
+    every counted key is chosen (``k == n_complete``, so ``n_complete <= G``), a group is empty or
     each group holds one block and ``floor`` is the least key, so every key is ``>= lo``."""
     gmax = tl.max(tl.reshape(v, [NB_PAD // G, G]), 0)  # [G] group maxima (row-major reshape)
     vmax, floor = tl.reduce((gmax, gmax), 0, _max_min)  # one reduction over [G]
