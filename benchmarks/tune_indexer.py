@@ -65,8 +65,11 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET):
     grid = itertools.product((16, 32, 64), (16, 32), (32, 128), (2, 4), tiles)
     if "score" not in kernels:
         grid = ()
+    # tiles of the default's dot precision (split3 for the bf16 query; a cfg without DOT_PREC
+    # would run the fp32 FMA dots)
+    prec = ix.score_config(b, s, NI, nb, 132, False)["DOT_PREC"]
     for bb, br, bd, nw, st in grid:
-        cfg = dict(BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, num_warps=nw)
+        cfg = dict(BLOCK_B=bb, BLOCK_R=br, BLOCK_D=bd, num_warps=nw, DOT_PREC=prec)
         if st is not None:
             cfg["S_TILE"] = st
         try:

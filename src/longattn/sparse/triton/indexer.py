@@ -110,13 +110,16 @@ def indexer_score_kernel(
                 dots, dots_lo = _dot_split3(q, tl.trans(kt), dots, dots_lo)  # [BLOCK_R, BLOCK_B]
             else:
                 dots += tl.dot(q.to(tl.float32), tl.trans(kt), input_precision=DOT_PREC)
-        dots = tl.maximum(dots + dots_lo, 0.0)  # [BLOCK_R, BLOCK_B]
+        if DOT_PREC == "split3":
+            dots += dots_lo
+        dots = tl.maximum(dots, 0.0)  # [BLOCK_R, BLOCK_B]
         sel = (s_loc[None, :] == offs_s[:, None]) & r_ok[None, :]  # [BLOCK_S, BLOCK_R]
         if DOT_PREC == "split3":
             acc, acc_lo = _dot_split3(sel.to(tl.bfloat16), dots, acc, acc_lo)
         else:
             acc += tl.dot(sel.to(tl.float32), dots, input_precision=DOT_PREC)
-    acc += acc_lo  # [BLOCK_S, BLOCK_B] (zeros unless split3)
+    if DOT_PREC == "split3":
+        acc += acc_lo  # [BLOCK_S, BLOCK_B]
 
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
     srow = s0 + offs_s  # [BLOCK_S] new-token index
