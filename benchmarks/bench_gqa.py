@@ -282,10 +282,6 @@ def decode(rows, best, copy_tbs):
                 row[f"{name}_us"] = _time_or_none(fn, q_sets)
             g_us = _graph_time_or_none(_decode_fn(p), sets)
             row["ours_graph_us"] = g_us
-            # the split kernel released early by the prologue, L2-prefetching its first rows
-            pf = dict(launch.decode_config(128, torch.bfloat16, torch.bfloat16, False),
-                      PREFETCH_ROWS=128)  # fmt: skip
-            row["ours_prefetch_graph_us"] = _graph_time_or_none(_decode_fn(p, pf), sets)
             row["ours_graph_GBps"] = nbytes / (g_us * 1e-6) / 1e9 if g_us else None
             row["graph_pct_of_copy_bw"] = (
                 100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
@@ -314,21 +310,8 @@ def cache_dtypes(rows, copy_tbs):
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes
-                # V_WORDS: int8 V by 4-byte words (168 registers instead of 255, see decode.py)
-                for bn, w, st, vw in (
-                    (64, 4, 4, False),
-                    (128, 4, 4, False),
-                    (128, 8, 3, False),
-                    (256, 4, 3, False),
-                    (256, 8, 2, False),
-                    (128, 4, 3, True),
-                    (64, 4, 4, True),
-                    (128, 8, 3, True),
-                    (128, 4, 2, True),
-                ):
+                for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 4, 3), (256, 8, 2)):
                     cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-                    if vw:
-                        cfg["V_WORDS"] = True
                     us = _graph_time_or_none(_decode_fn(p, cfg), sets)
                     gbs = nbytes / (us * 1e-6) / 1e9 if us else None
                     rows.append(dict(section="tune-int8", B=b, T=t, cfg=str(cfg), graph_us=us,

@@ -225,16 +225,24 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _dsa_prefetch(rows):
-    """The DSA tier's default config with ``PREFETCH_ROWS = rows`` (not the default yet)."""
+def _dsa_cfg(**extra):
+    """The DSA tier's default config with ``extra`` keys (options not yet a default)."""
     from longattn.sparse.triton import decode as dsa_decode
 
     orig = dsa_decode.decode_config
-    dsa_decode.decode_config = lambda *a: dict(orig(*a), PREFETCH_ROWS=rows)
+    dsa_decode.decode_config = lambda *a: dict(orig(*a), **extra)
     try:
         yield
     finally:
         dsa_decode.decode_config = orig
+
+
+# FUSE_PROLOGUE A/B variants of the layer section: the split kernel does the prologue's work at
+# S = 1 (one launch fewer); "fused128" also caps the registers at 128 (the fused sm_90 build
+# takes ~195 at H=256 bf16, which halves the programs per SM; 128 spills ~56 bytes outside the
+# loop only, benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True --maxnreg 128)
+_FUSED_VARIANTS = {"fused": dict(FUSE_PROLOGUE=True),
+                   "fused128": dict(FUSE_PROLOGUE=True, maxnreg=128)}  # fmt: skip
 
 
 def layer_section(rows, layers, copy_tbs, chains):
@@ -256,8 +264,15 @@ def layer_section(rows, layers, copy_tbs, chains):
                 c_layer = _chain_us(_layer_step_b, chain, s, t, BUDGET)
                 c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
-                with _dsa_prefetch(64):  # DSA released early by the prologue, L2 prefetch
-                    c_layer_pf = _chain_us(_layer_step_b, chain, s, t, BUDGET)
+                fused = {}
+                for name, extra in _FUSED_VARIANTS.items() if s == 1 else ():
+                    with _dsa_cfg(**extra):
+                        fused[f"chain_layer_{name}_us"] = round(
+                            _chain_us(_layer_step_b, chain, s, t, BUDGET), 2
+                        )
+                        fused[f"chain_dsa_{name}_us"] = round(
+                            _chain_us(_dsa_sel, chain, s, t, BUDGET), 2
+                        )
                 r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
                          dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
                          dense_gqa_us=round(t_dense, 2),
@@ -267,7 +282,7 @@ def layer_section(rows, layers, copy_tbs, chains):
                          chain_layer_us=round(c_layer, 2), chain_dsa_us=round(c_dsa, 2),
                          chain_dense_us=round(c_dense, 2),
                          chain_dense_over_sparse=round(c_dense / c_layer, 2),
-                         chain_layer_prefetch_us=round(c_layer_pf, 2))  # fmt: skip
+                         **fused)  # fmt: skip
                 rows.append(r)
                 print(r, flush=True)
                 del sets

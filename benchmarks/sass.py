@@ -9,6 +9,7 @@ cp.async?", "did the softmax lose an FMUL per logit?").
     python benchmarks/sass.py gqa-prefill --set USE_DESC=True   # TMA K/V (sm_90+ default)
     python benchmarks/sass.py gqa-decode --set BLOCK_N=128 --cache i8
     python benchmarks/sass.py dsa-decode --set BLOCK_N=64
+    python benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True,HAS_ROTARY=True,ROT_DIM=128
     python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
     python benchmarks/sass.py indexer-select --set TOPK=True,NB_PAD=1024
 
@@ -145,16 +146,19 @@ def _presets(cache: str):
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
-                            V_WORDS=False, PREFETCH_ROWS=0,
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
-                       {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va")},
+                       {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va", "xq", "xk",
+                                                         "xv")},
                         "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}", "sel_ptr": "*i32",
-                        "cnt_ptr": "*i32", "seqlens_ptr": "*i32", "qk_scale": "fp32"},
-                       dict(NUM_HEADS=24, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16, BLOCK_N=32,
-                            IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
+                        "cnt_ptr": "*i32", "seqlens_ptr": "*i32", "pos_ptr": "*i64",
+                        "qk_scale": "fp32", "eps": "fp32"},
+                       dict(NUM_HEADS=24, KV_HEADS=4, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16,
+                            BLOCK_N=32, IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
                             HAS_VSCALE=cache == "i8", INTERPRET=False, PDL=False,
-                            PREFETCH_ROWS=0,
+                            FUSE_PROLOGUE=False, Q_DTYPE=tl.bfloat16, ROT_DIM=0,
+                            HAS_ROTARY=False, INTERLEAVED=False, HAS_POS=False, HAS_QNORM=False,
+                            HAS_KNORM=False, K_QUANT=cache == "i8",
                             **{f"{a}_{b}_{c}": (tl.bfloat16 if c == "DTYPE" else "tf32")
                                for a in ("MAIN", "SEL") for b in ("QK", "PV")
                                for c in ("DTYPE", "PREC")}), 4, 3),

@@ -140,10 +140,9 @@ def test_pdl_gate(monkeypatch, capability, disabled, interp, want):
         tu._sm90_compiled.cache_clear()
 
 
-def _before_wait_is_program_ids_and_guarded_prefetch(stmts) -> bool:
+def _before_wait_is_program_ids(stmts) -> bool:
     """The statements a split kernel may run before its PDL wait: program ids (and casts of
-    them), then ``if PREFETCH_ROWS > 0:`` around the L2-prefetch helper (``_prefetch_*``: it
-    reads only metadata that the previous kernel does not write, see its comments)."""
+    them)."""
     import ast
 
     for st in stmts:
@@ -152,18 +151,14 @@ def _before_wait_is_program_ids_and_guarded_prefetch(stmts) -> bool:
             "tl.program_id(" in text or text.endswith(".to(tl.int64)")
         ):
             continue
-        if isinstance(st, ast.If) and ast.unparse(st.test) == "PREFETCH_ROWS > 0":
-            calls = [ast.unparse(n.func) for n in ast.walk(st) if isinstance(n, ast.Call)]
-            if calls and all(c.startswith("_prefetch_") for c in calls):
-                continue
         return False
     return True
 
 
 def test_pdl_kernels_wait_for_the_previous_grid_first():
     """A kernel launched with programmatic dependent launch may start while the previous kernel
-    still runs: its first statement must be the grid-dependency wait (no load before it), except
-    the split kernels' optional L2 prefetch (``PREFETCH_ROWS``) after their program ids."""
+    still runs: its first statement must be the grid-dependency wait (no load before it); the
+    split kernels may read their program ids first."""
     import ast
     import inspect
 
@@ -190,7 +185,7 @@ def test_pdl_kernels_wait_for_the_previous_grid_first():
         assert waits, f"{fn.__name__} has no wait_prior_grids(PDL) statement"
         before = body[: waits[0]]
         if fn.__name__ in ("gqa_decode_split_kernel", "dsa_split_kernel"):
-            assert _before_wait_is_program_ids_and_guarded_prefetch(before), fn.__name__
+            assert _before_wait_is_program_ids(before), fn.__name__
         else:
             assert not before, f"{fn.__name__} starts with {ast.unparse(body[0])!r}"
         assert "PDL" in fn.__code__.co_varnames[: fn.__code__.co_argcount], fn.__name__

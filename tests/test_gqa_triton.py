@@ -27,7 +27,7 @@ from longattn._attention_torch import (
     sink_logits,
 )
 from longattn._rotary import rope_cache
-from longattn._triton_utils import interpret, tma_ok
+from longattn._triton_utils import tma_ok
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
@@ -312,21 +312,6 @@ def test_decode_interpret(name, device):
     _run_and_check(DECODE_CASES[name], device)
 
 
-_INT8_DECODE = [
-    n for n, c in DECODE_CASES.items() if c.cache == torch.int8 and c.act != torch.float32
-]
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("name", _INT8_DECODE)
-def test_decode_int8_v_words_interpret(name, device, monkeypatch):
-    """int8 V read as 4-byte words and converted in a row-major layout (``V_WORDS``, the P.V
-    operand then built from fp16 through shared memory): same results as the byte path."""
-    orig = launch.decode_config
-    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), V_WORDS=True))
-    _run_and_check(DECODE_CASES[name], device)
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["causal-past", "window-softcap", "sink-bias-full",
                                   "first-bias-batch-qknorm"])  # fmt: skip
@@ -507,72 +492,6 @@ def test_prefill_gluon_gpu(name, variant, device):
         _run_and_check(c, device)
     finally:
         launch.prefill_gluon_config = orig
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64"])
-def test_decode_int8_v_words_gpu(name, device, monkeypatch):
-    """The V_WORDS int8 V path (inline-PTX word conversion) on real shapes against fp64."""
-    orig = launch.decode_config
-    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), V_WORDS=True))
-    _run_and_check(GPU_CASES[name], device)
-
-
-def _prefetch_matches_default(device, c):
-    """Decode with ``PREFETCH_ROWS`` (the prologue releases the split kernel early, which
-    L2-prefetches cache rows before its PDL wait) gives the default run's bits exactly."""
-    query, key, value, pk, pv, seqlens, p = _build(c, device)
-    pk1, pv1, pk2, pv2 = pk.clone(), pv.clone(), pk.clone(), pv.clone()
-    base = gqa_triton(query, key, value, pk1, pv1, seqlens, p, num_splits=c.num_splits)
-    cfg = dict(launch.decode_config(c.h, query.dtype, pk.dtype, interpret()), PREFETCH_ROWS=32)
-    got = gqa_triton(query, key, value, pk2, pv2, seqlens, p, decode_cfg=cfg,
-                     num_splits=c.num_splits)  # fmt: skip
-    torch.testing.assert_close(got, base, atol=0, rtol=0)
-    torch.testing.assert_close(pk2, pk1, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(pv2, pv1, atol=0, rtol=0, equal_nan=True)
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("name", ["group8-int8pc-splits2", "s3-bias-batch-fp32-splits3"])
-def test_decode_prefetch_interpret(name, device):
-    _prefetch_matches_default(device, DECODE_CASES[name])
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("rows", [3, -4, 2.0])
-def test_decode_prefetch_rows_must_be_a_power_of_two(device, rows):
-    c = DECODE_CASES["group8-int8pc-splits2"]
-    query, key, value, pk, pv, seqlens, p = _build(c, device)
-    cfg = dict(launch.decode_config(c.h, query.dtype, pk.dtype, interpret()), PREFETCH_ROWS=rows)
-    with pytest.raises(ValueError, match="PREFETCH_ROWS"):
-        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
-
-
-@pytest.mark.interpret
-def test_decode_prefetch_in_the_default_config_releases_the_prologue_early(device, monkeypatch):
-    """A PREFETCH_ROWS from the default decode config also makes the prologue release the
-    split kernel early (the prologue runs before the decode config is otherwise read)."""
-    calls = []
-    orig_prologue, orig_cfg = launch.run_prologue, launch.decode_config
-
-    def spy(*args, **kw):
-        calls.append(args[9] if len(args) > 9 else kw.get("early_release", False))
-        return orig_prologue(*args, **kw)
-
-    monkeypatch.setattr(launch, "run_prologue", spy)
-    c = DECODE_CASES["group8-int8pc-splits2"]
-    query, key, value, pk, pv, seqlens, p = _build(c, device)
-    gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
-    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig_cfg(*a), PREFETCH_ROWS=8))
-    gqa_triton(query, key, value, pk.clone(), pv.clone(), seqlens, p)
-    assert calls == [False, True], calls
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["decode-bf16-h128-32k", "decode-int8pc-bf16-32k-sink",
-                                  "decode-fp16cache-h256-window"])  # fmt: skip
-def test_decode_prefetch_gpu(name, device):
-    _prefetch_matches_default(device, GPU_CASES[name])
 
 
 @pytest.mark.gpu

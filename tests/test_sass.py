@@ -146,3 +146,22 @@ def test_indexer_score_dots_on_tensor_cores():
     assert 24 <= hist.get("HMMA", 0) < six.get("HMMA", 0) and hist.get("FFMA", 0) < 32, hist
     assert fast["stack"] == 0, fast["stack"]
     assert slow.get("HMMA", 0) == 0 and slow.get("FFMA", 0) >= 256, slow
+
+
+def test_dsa_fused_prologue_loop_costs_one_compare_per_candidate():
+    """FUSE_PROLOGUE (H=256, group 6, bf16, 2 stages as the default config): the candidate loop
+    only adds the new-row compare (<= 40 instructions over the unfused loop's ~540), no local
+    memory anywhere at the default register budget, and with the 128-register cap the
+    benchmark tries the spills stay outside the loop."""
+    flags = "HAS_QNORM=True,HAS_KNORM=True,HAS_ROTARY=True,ROT_DIM=128"
+    base = _sass("dsa-decode", "--set", flags, "--stages", "2")
+    fused = _sass("dsa-decode", "--set", flags + ",FUSE_PROLOGUE=True", "--stages", "2")
+    capped = _sass("dsa-decode", "--set", flags + ",FUSE_PROLOGUE=True", "--stages", "2",
+                   "--maxnreg", "128")  # fmt: skip
+    loop_b, loop_f, loop_c = (max(r["loops"], key=lambda c: c.get("HMMA", 0))
+                              for r in (base, fused, capped))  # fmt: skip
+    assert loop_f.get("HMMA", 0) == loop_b.get("HMMA", 0) > 0
+    assert sum(loop_f.values()) <= sum(loop_b.values()) + 40, (loop_f, loop_b)
+    assert fused["stack"] == 0 and base["stack"] == 0, (fused["stack"], base["stack"])
+    assert capped["regs"] <= 128
+    assert not any(op in loop_c for op in ("LDL", "STL", "LDL.LU")), loop_c

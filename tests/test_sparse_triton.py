@@ -385,7 +385,7 @@ def test_dsa_ragged_batch_and_int64_selection():
 def test_dsa_split_counts_agree(num_splits):
     kw = build(6, mode="local_plus_selected", h=32, m=40, window=20, s=2)
     want = run(kw, backend="reference")[0]
-    got = _run_with_splits(kw, num_splits)
+    got, _ = _run_with_splits(kw, num_splits)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
@@ -429,9 +429,9 @@ def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
     assert torch.equal(out[4].cpu(), torch.zeros(head))
 
 
-def _run_with_splits(kw, num_splits, prologue=None, prefetch=0):
+def _run_with_splits(kw, num_splits, prologue=None, **cfg_extra):
     """Call the tier directly (tuning hooks) through the API's validation and allocation;
-    ``prefetch``: the default config with that many ``PREFETCH_ROWS``."""
+    ``cfg_extra``: keys added to the default config (e.g. ``FUSE_PROLOGUE=True``)."""
     from longattn.sparse import api
 
     captured = {}
@@ -439,14 +439,15 @@ def _run_with_splits(kw, num_splits, prologue=None, prefetch=0):
 
     def fake_run(query, key, value, pk, pv, aux_k, aux_v, sel, cnt, seqlens_k, p, backend):
         cfg = None
-        if prefetch:
+        if cfg_extra:
             qd = decode.q_dtype_for(p, query.dtype, pk.dtype)
             cfg = dict(decode.decode_config(p.head_size, qd, pk.dtype, decode._interpret()),
-                       PREFETCH_ROWS=prefetch)  # fmt: skip
+                       **cfg_extra)  # fmt: skip
         captured["out"] = decode.dsa_triton(
             query, key, value, pk, pv, aux_k, aux_v, sel, cnt, seqlens_k, p,
             num_splits=num_splits, prologue=prologue, cfg=cfg,
         )  # fmt: skip
+        captured["cache"] = (pk, pv)
         return captured["out"]
 
     api._run = fake_run
@@ -454,39 +455,98 @@ def _run_with_splits(kw, num_splits, prologue=None, prefetch=0):
         run(kw)
     finally:
         api._run = orig
-    return captured["out"]
+    return captured["out"], captured["cache"]
+
+
+def _with_new_token_selected(kw):
+    """Every row's selection starts with the new token's own row (qpos), a row shortly before
+    it and qpos again (duplicates are counted, as by every tier, when not validated), so the
+    candidates include the row the fused kernel folds in separately, twice."""
+    kw = _clone(kw)
+    qpos = kw["seqlens_k"].long()  # S = 1: qpos = total - 1
+    sel, cnt = kw["selected_indices"].clone(), kw["selected_counts"].clone()
+    if kw["attention_mode"] == "selected_only":
+        sel[:, 0] = qpos.to(sel.dtype)
+        sel[:, 1] = (qpos - 3).to(sel.dtype)
+        sel[:, 2] = qpos.to(sel.dtype)
+    cnt = torch.clamp(cnt, min=3)
+    kw["selected_indices"], kw["selected_counts"] = sel, cnt
+    return kw
+
+
+_FUSED = [
+    # dtype, cache_dtype, per_channel, mode, extra build kwargs
+    (torch.float16, None, False, "selected_only", {}),
+    (torch.float32, None, False, "selected_only", dict(sink="smooth")),
+    (torch.float16, torch.int8, False, "selected_only", {}),
+    (torch.float16, torch.int8, True, "selected_only", dict(h=80)),
+    (torch.float32, torch.float16, False, "local_plus_selected", dict(window=20)),
+    (torch.float16, None, False, "local_plus_selected", dict(shared_aux=True, h=16, n=16)),
+    (torch.float16, None, False, "selected_only", dict(first_prompt=True, b=3)),
+]
 
 
 @interpret
-@pytest.mark.parametrize("mode", ["selected_only", "local_plus_selected"])
-def test_dsa_prefetch_changes_nothing(mode):
-    """``PREFETCH_ROWS`` (the split kernel released early by the prologue prefetches its
-    selected rows into L2 before its PDL wait): the same bits as the default, invalid and
-    out-of-range entries included."""
-    kw = build(31, mode=mode, h=32, m=40, window=20, s=2, counts="full")
-    kw["selected_indices"][0, :3] = torch.tensor([-1, 10**6, 5])
-    base = _run_with_splits(_clone(kw), 3)
-    got = _run_with_splits(_clone(kw), 3, prefetch=8)
-    torch.testing.assert_close(got, base, rtol=0, atol=0)
+@pytest.mark.parametrize("dtype,cache_dtype,per_channel,mode,extra", _FUSED)
+@pytest.mark.parametrize("splits", [1, 5])
+def test_dsa_fused_prologue_matches_the_prologue_kernel(
+    dtype, cache_dtype, per_channel, mode, extra, splits
+):
+    """``FUSE_PROLOGUE`` (S = 1: each split program computes its Q and the new K/V row, folds
+    that row in as many times as it is a candidate, split 0 appends it): within the fp64
+    tolerance, within two output roundings of the prologue kernel + split kernel, and the same
+    caches bit for bit; with the new token among the selected rows (and in the window),
+    invalid entries included."""
+    kw = build(splits * 100 + len(extra), dtype=dtype, cache_dtype=cache_dtype,
+               per_channel=per_channel, mode=mode, **dict(dict(h=32, m=24), **extra))  # fmt: skip
+    kw = _with_new_token_selected(kw)
+    base, (bk, bv) = _run_with_splits(_clone(kw), splits, prologue="triton")
+    got, (gk, gv) = _run_with_splits(_clone(kw), splits, prologue="triton", FUSE_PROLOGUE=True)
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))  # NaN rows: bitwise
+    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
+    _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
+
+
+def _assert_within_roundings(got, base, ulps):
+    """|got - base| <= ulps roundings of the output dtype at the output's largest magnitude."""
+    assert torch.isfinite(got).all() and torch.isfinite(base).all()
+    tol = ulps * torch.finfo(got.dtype).eps * base.abs().max().item()
+    diff = (got.double() - base.double()).abs().max().item()
+    assert diff <= tol, (diff, tol)
 
 
 @interpret
-def test_dsa_prefetch_in_the_default_config_releases_the_prologue_early(monkeypatch):
-    """A PREFETCH_ROWS that comes from the default config (how bench_sparse turns it on for a
-    whole chain) also makes the prologue release the split kernel early; without it, none."""
+def test_dsa_fused_prologue_packed_position_ids_interleaved():
+    kw = build(41, h=32, m=20)
+    kw["position_ids"] = torch.tensor([[9], [40]], device=DEV)
+    kw["rotary_interleaved"] = True
+    packed = dict(kw, query=torch.cat((kw["query"], kw["key"], kw["value"]), -1))
+    packed.update(key=None, value=None)
+    packed = _with_new_token_selected(packed)
+    base, _ = _run_with_splits(_clone(packed), 3)
+    got, _ = _run_with_splits(_clone(packed), 3, FUSE_PROLOGUE=True)
+    _assert_within_roundings(got, base, 2)
+    kw = _with_new_token_selected(kw)  # the same case unpacked
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
+    unpacked, _ = _run_with_splits(kw, 3, FUSE_PROLOGUE=True)
+    torch.testing.assert_close(got, unpacked, rtol=0, atol=0)
+
+
+@interpret
+def test_dsa_fused_prologue_is_s1_only_and_checked(monkeypatch):
+    """S > 1 (or a rotary offset: the torch prologue) keeps the prologue kernel; a non-bool
+    FUSE_PROLOGUE is a ValueError."""
     calls = []
-    orig_prologue, orig_cfg = decode.run_prologue, decode.decode_config
-
-    def spy(*args, **kw):
-        calls.append(args[10] if len(args) > 10 else kw.get("early_release", False))
-        return orig_prologue(*args, **kw)
-
-    monkeypatch.setattr(decode, "run_prologue", spy)
-    kw = build(32, h=32, m=20)
-    run(_clone(kw), backend="triton")
-    monkeypatch.setattr(decode, "decode_config", lambda *a: dict(orig_cfg(*a), PREFETCH_ROWS=8))
-    run(_clone(kw), backend="triton")
-    assert calls == [False, True], calls
+    orig = decode.run_prologue
+    monkeypatch.setattr(decode, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    _run_with_splits(build(42, h=32, s=1), 2, FUSE_PROLOGUE=True)
+    assert calls == []
+    _run_with_splits(build(42, h=32, s=2), 2, FUSE_PROLOGUE=True)
+    _run_with_splits(build(42, h=64, s=1, rotary_offset=16), 2, FUSE_PROLOGUE=True)
+    assert calls == [1, 1]
+    with pytest.raises(ValueError, match="FUSE_PROLOGUE"):
+        _run_with_splits(build(42, h=32), 2, FUSE_PROLOGUE=1)
 
 
 @interpret
@@ -509,8 +569,8 @@ def test_dsa_packed_qkv_position_ids_interleaved():
 @interpret
 def test_dsa_triton_and_torch_prologues_agree():
     kw = build(9, h=32, cache_dtype=torch.int8, per_channel=True, s=2)
-    a = _run_with_splits(kw, None, prologue="triton")
-    t = _run_with_splits(kw, None, prologue="torch")
+    a, _ = _run_with_splits(kw, None, prologue="triton")
+    t, _ = _run_with_splits(kw, None, prologue="torch")
     torch.testing.assert_close(a, t, rtol=2e-3, atol=2e-3)
 
 
@@ -684,12 +744,6 @@ def test_indexer_rows_per_program_out_of_range(s_tile):
                                scale=0.25, is_first_prompt=False)  # fmt: skip
 
 
-@interpret
-def test_dsa_prefetch_rows_must_be_a_power_of_two():
-    with pytest.raises(ValueError, match="PREFETCH_ROWS"):
-        _run_with_splits(build(33, h=32, m=20), None, prefetch=6)
-
-
 def test_indexer_gate_on_cpu():
     iq, keys, sk = _icase(4, b=1, s=1, ni=1, di=8, nb=4, seqlens=[9], device="cpu")
     with pytest.raises(RuntimeError, match="index_head_dim 8"):
@@ -726,17 +780,40 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
 
 
 @gpu
-@pytest.mark.parametrize("cache", [torch.bfloat16, torch.int8])
-def test_gpu_dsa_prefetch_changes_nothing(cache):
+@pytest.mark.parametrize(
+    "cache,mode,extra",
+    [
+        (torch.bfloat16, "selected_only", {}),
+        (torch.bfloat16, "selected_only", {"maxnreg": 128}),
+        (torch.float16, "selected_only", {}),
+        (torch.int8, "selected_only", {"maxnreg": 128}),
+        (torch.bfloat16, "local_plus_selected", {}),
+        (torch.int8, "local_plus_selected", {}),
+    ],
+)
+def test_gpu_dsa_fused_prologue_matches_the_prologue_kernel(cache, mode, extra):
+    """bf16 activations at the Qwen-like geometry (with the register cap the benchmark tries):
+    the fused prologue is within the fp64 tolerance, within two output roundings of the
+    unfused tier, and leaves the same caches bit for bit."""
     kw = build(23, device="cuda", b=2, h=256, n=24, kv=4, past=(5000, 70000), m=2111,
-               dtype=torch.bfloat16, cache_dtype=cache)  # fmt: skip
-    base = _run_with_splits(_clone(kw), None)
-    got = _run_with_splits(_clone(kw), None, prefetch=64)
-    torch.testing.assert_close(got, base, rtol=0, atol=0)
+               dtype=torch.bfloat16, cache_dtype=cache, mode=mode, window=128,
+               aux_len=4096, per_channel=cache == torch.int8)  # fmt: skip
+    kw = _with_new_token_selected(kw)
+    base, (bk, bv) = _run_with_splits(_clone(kw), None, prologue="triton")
+    got, (gk, gv) = _run_with_splits(_clone(kw), None, prologue="triton", FUSE_PROLOGUE=True,
+                                     **extra)  # fmt: skip
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
+    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
+    _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
 
 
 @gpu
-def test_gpu_dsa_cuda_graph_capture():
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_dsa_cuda_graph_capture(fused, monkeypatch):
+    if fused:
+        orig = decode.decode_config
+        monkeypatch.setattr(decode, "decode_config", lambda *a: dict(orig(*a), FUSE_PROLOGUE=True))
     kw = build(21, device="cuda", b=2, h=256, n=24, kv=4, past=(5000, 7000), m=2111,
                dtype=torch.bfloat16, counts="full")  # fmt: skip
     pk, pv = kw["past_key"].clone(), kw["past_value"].clone()
@@ -828,10 +905,15 @@ def _params_of(kw):
 
 
 @interpret
-def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside():
+@pytest.mark.parametrize("fused", [False, True])
+def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside(fused, monkeypatch):
     """validate="off" with a sequence length past the cache: no host check, the new token's
     append at qpos >= capacity is dropped, no other cache row of that sequence changes. (The
-    output is undefined: the claimed length makes build()'s NaN-filled unused rows visible.)"""
+    output is undefined: the claimed length makes build()'s NaN-filled unused rows visible.)
+    ``fused``: the same with the split kernel's fused prologue (split 0 stores the row)."""
+    if fused:
+        orig = decode.decode_config
+        monkeypatch.setattr(decode, "decode_config", lambda *a: dict(orig(*a), FUSE_PROLOGUE=True))
     kw = build(21, b=2, s=1, past=(20, 33), dtype=torch.float32)
     cap = kw["past_key"].shape[2]
     kw["seqlens_k"] = torch.tensor([19, cap + 5], dtype=torch.int32, device=DEV)

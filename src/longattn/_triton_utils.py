@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from ._cascade import _truthy, cuda_capability, interpreter_active
 
@@ -128,41 +128,3 @@ def wait_prior_grids(PDL: tl.constexpr):
     """First statement of a kernel launched with ``pdl_kwargs``: wait for the previous grid."""
     if PDL:
         gdc_wait()
-
-
-def check_prefetch_rows(cfg: dict) -> bool:
-    """``cfg["PREFETCH_ROWS"]`` (a tuning option of the decode split kernels): 0 / absent, or a
-    power of two (one ``tl.arange``). Returns whether it is on; anything else is a ValueError."""
-    rows = cfg.get("PREFETCH_ROWS", 0)
-    if not isinstance(rows, int) or rows < 0 or (rows and rows & (rows - 1)):
-        raise ValueError(f"cfg['PREFETCH_ROWS'] must be 0 or a power of two, got {rows!r}")
-    return rows > 0
-
-
-@triton.jit
-def release_dependents(PDL: tl.constexpr, EARLY: tl.constexpr):
-    """Let the next PDL-launched kernel of the stream start now (once every program of this one
-    has called this), rather than when this grid drains. Its programs still block in their
-    ``wait_prior_grids`` until this grid has completed; only work placed before that wait (an
-    L2 prefetch of cache rows this kernel does not write) overlaps this kernel. Only with PDL
-    (the interpreter has no grid dependencies)."""
-    if PDL:
-        if EARLY:
-            gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, HEAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """``prefetch.global.L2`` of every 128-byte line of the ``HEAD``-element rows that start at
-    ``row_ptrs [ROWS]`` (no effect on values; nothing in the interpreter)."""
-    if not INTERPRET:
-        line: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth  # elements
-        lines = tl.arange(0, max(1, HEAD // line)) * line  # [LINES] first element of each line
-        tl.inline_asm_elementwise(
-            asm="prefetch.global.L2 [$1];",
-            constraints="=r,l",
-            args=[row_ptrs[:, None] + lines[None, :]],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )

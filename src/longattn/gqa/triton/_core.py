@@ -174,7 +174,6 @@ def load_kv_tile(
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
     KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
-    V_WORDS: tl.constexpr = False,  # int8 V by 4-byte words (see below)
 ):
     """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
 
@@ -184,16 +183,8 @@ def load_kv_tile(
 
     int8 -> fp16 (exact): K reaches its MMA operand registers four bytes (consecutive
     channels) per register, which ``int8x4_to_fp16`` converts in 5 instructions; V arrives one
-    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper.
-    ``V_WORDS`` (int8 V, fp16 dot; the launcher checks 4-byte aligned rows): V is read as int32
-    words instead (``_int8_tile_words_to_fp16``)."""
+    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    if V_WORDS:
-        if base.dtype.element_ty == tl.int8:
-            if DOT_DTYPE == tl.float16:
-                if not KEYS:
-                    return _int8_tile_words_to_fp16(base, start_n, stride_row, kv_hi, rows,
-                                                    offs_d.shape[0] // 4, MASKED)  # fmt: skip
     ptrs = (base + start_n.to(tl.int64) * stride_row) + (
         rows[:, None] * stride_row + offs_d[None, :]
     )
@@ -209,49 +200,6 @@ def load_kv_tile(
 
 
 _INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import
-
-
-@triton.jit
-def _int8_tile_words_to_fp16(base, start_n, stride_row, kv_hi, rows, WORDS: tl.constexpr,
-                             MASKED: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, 4 * WORDS] int8 tile read as int32 words (4 channels each) and converted to
-    fp16 four bytes at a time in a row-major register layout, so the P.V operand is built
-    from 16-bit values (the dot's layout change goes through shared memory) instead of one
-    byte load per element."""
-    p32 = (base + start_n.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
-    offs_w = tl.arange(0, WORDS)
-    ptrs = p32 + (rows[:, None] * (stride_row // 4) + offs_w[None, :])  # [BLOCK_N, WORDS]
-    if MASKED:
-        w = tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
-    else:
-        w = tl.load(ptrs)
-    if _INTERPRET:
-        c0 = ((w & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)).to(tl.float16)
-        c1 = (((w >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)).to(tl.float16)
-        c2 = (((w >> 16) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)).to(tl.float16)
-        c3 = (((w >> 24) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)).to(tl.float16)
-    else:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 u, lo, hi, c;
-            xor.b32 u, $4, 0x80808080;
-            mov.b32 c, 0x64806480;
-            prmt.b32 lo, u, 0x64646464, 0x4140;
-            prmt.b32 hi, u, 0x64646464, 0x4342;
-            sub.f16x2 lo, lo, c;
-            sub.f16x2 hi, hi, c;
-            mov.b32 {$0, $1}, lo;
-            mov.b32 {$2, $3}, hi;
-            }""",
-            constraints="=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
-    # [BLOCK_N, WORDS, 2, 2] -> channel 4 w + 2 p + k = byte 2 p + k of word w
-    t = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    return tl.reshape(t, [rows.shape[0], 4 * WORDS])
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import prefetch_rows_l2, wait_prior_grids
+from ..._triton_utils import wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
@@ -38,7 +38,6 @@ def _decode_block(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    V_WORDS: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
@@ -61,8 +60,7 @@ def _decode_block(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False,
-                     V_WORDS)  # fmt: skip
+    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False)
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
@@ -74,7 +72,6 @@ def _decode_range(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
-    V_WORDS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
@@ -86,7 +83,7 @@ def _decode_range(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, V_WORDS,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -95,7 +92,7 @@ def _decode_range(
                 acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, V_WORDS,
+                MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -107,25 +104,6 @@ def _split_start(offset, window, split, chunk, HAS_WINDOW: tl.constexpr):
     if HAS_WINDOW:
         kv_lo = tl.maximum(offset - window + 1, 0)
     return kv_lo + split * chunk
-
-
-@triton.jit
-def _prefetch_split(
-    k_ptr, v_ptr, seqlens_ptr, max_total, seq_len, window, chunk, b64, kvh, split, stride_kb,
-    stride_kh, stride_kc, stride_vb, stride_vh, stride_vc, HEAD: tl.constexpr,
-    ROWS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """L2 prefetch of the first ROWS K and V rows of this program's split (every 128-byte
-    line); rows past the sequence are clamped onto its last row."""
-    total_len = load_total_len(seqlens_ptr, b64, max_total)
-    offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
-    rows = _split_start(offset, window, split, chunk, HAS_WINDOW) + tl.arange(0, ROWS)  # [ROWS]
-    rows = tl.maximum(tl.minimum(rows, total_len - 1), 0).to(tl.int64)
-    prefetch_rows_l2(k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh + rows * stride_kc,
-                     HEAD, INTERPRET)  # fmt: skip
-    prefetch_rows_l2(v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh + rows * stride_vc,
-                     HEAD, INTERPRET)  # fmt: skip
 
 
 @triton.jit
@@ -177,20 +155,11 @@ def gqa_decode_split_kernel(
     PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    V_WORDS: tl.constexpr = False,  # int8 V -> fp16 by 4-byte words (``_core.load_kv_tile``)
-    PREFETCH_ROWS: tl.constexpr = 0,  # L2-prefetch this many cache rows before the PDL wait
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
-    if PREFETCH_ROWS > 0:
-        # Before the wait (the prologue may still be running, having released this kernel
-        # early): seqlens is not written by the prologue, and a prefetch only warms L2, which
-        # the prologue's append writes through, so no value read later can be stale.
-        _prefetch_split(k_ptr, v_ptr, seqlens_ptr, max_total, seq_len, window, chunk, b64, kvh,
-                        split, stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
-                        HEAD, PREFETCH_ROWS, IS_FIRST_PROMPT, HAS_WINDOW, INTERPRET)  # fmt: skip
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     total_len = load_total_len(seqlens_ptr, b, max_total)
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
@@ -235,14 +204,14 @@ def gqa_decode_split_kernel(
         full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, V_WORDS=V_WORDS, INTERPRET=INTERPRET,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip
     acc, m_i, l_i = _decode_range(
         acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
         end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, V_WORDS=V_WORDS, INTERPRET=INTERPRET,
+        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip
 
     o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
@@ -264,14 +233,7 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     cache. The int8 loop is instruction-issue bound (sm_90 SASS, BLOCK_N=128: 1023
     instructions per tile; 1081 with bf16 K, 1518 before the fp16 V conversion): it runs at
     the 255-register limit (~200 register moves per tile), and V's bytes reach the P.V MMA
-    layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key.
-    ``V_WORDS`` reads V as 4-byte words converted in a row-major layout (the P.V operand then
-    comes from fp16 in shared memory by ldmatrix.trans): sm_90 SASS at BLOCK_N=128, 3 stages:
-    941 instructions per unmasked tile (1023 without), 168 registers (255), 104 KiB shared
-    memory (72); measured slower on the H200 (B=8 T=128K: 691 us at 3 stages, 698 at 2, 740
-    with BLOCK_N 64, against 666 without; session 18, tune-int8 rows of ``benchmarks/results/
-    gqa.json``), so only a config that sets ``V_WORDS=True`` takes it (the GQA split kernel
-    alone: the DSA and paged kernels share this config without it)."""
+    layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:

@@ -16,14 +16,7 @@ import torch
 
 from ..._triton_merge import merge_splits
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import (
-    cdiv,
-    check_prefetch_rows,
-    gluon_hopper_enabled,
-    next_pow2,
-    pdl_kwargs,
-    tma_ok,
-)
+from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -111,11 +104,10 @@ def _logit_scalars(p: GQAParams) -> tuple[float, float]:
 
 
 def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                 q_scale=None, early_release=False):  # fmt: skip
+                 q_scale=None):  # fmt: skip
     """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches.
     ``q_scale [B, S, N]`` fp32 (int8 K, fp16 q_rot): receives each Q row's power-of-two factor
-    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled. ``early_release``: the
-    next (PDL) kernel may start while this one runs (``release_dependents``)."""
+    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
     b, s, _ = query.shape
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     if key is None:  # packed QKV
@@ -133,7 +125,6 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     grid = (b * s, cdiv(n, block_h) + cdiv(kv, block_h))
     gqa_prologue_kernel[grid](
         **pdl_kwargs(query),
-        EARLY_RELEASE=early_release,
         q_ptr=query,
         k_ptr=key,
         v_ptr=value,
@@ -415,9 +406,6 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     b, s = q_rot.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     cfg = dict(cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret()))
-    if cfg.get("V_WORDS"):  # int8 V read as int32 words: 4-byte aligned rows only
-        v = present_value
-        cfg["V_WORDS"] = v.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in v.stride()[:-1])
     span = p.total_sequence_length
     if p.local_window_size > 0:
         span = min(span, p.local_window_size + s - 1)
@@ -515,15 +503,8 @@ def gqa_triton(
     dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
     q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
     q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
+    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
-    # a decode config with PREFETCH_ROWS (off by default: H200 session 18, -6% at B=1 T=4K,
-    # 2-23% slower at 7 of 9 other shapes): the split kernel starts during the prologue and
-    # L2-prefetches its first cache rows before its PDL wait
-    if path == "decode":
-        decode_cfg = decode_cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret())
-    early = path == "decode" and check_prefetch_rows(decode_cfg)
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale,
-                 early)  # fmt: skip
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
                    q_scale)  # fmt: skip

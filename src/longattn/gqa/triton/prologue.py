@@ -23,92 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2, release_dependents, wait_prior_grids
-
-_RINT_MAGIC = tl.constexpr(
-    12582912.0
-)  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 half-to-even in fp32
-
-
-@triton.jit
-def _norm_rope_heads(
-    row_ptr,  # token's first channel of head 0
-    offs_h,  # [BLOCK_H] head indices
-    num_heads,
-    w_ptr,  # norm weight [HEAD]
-    cos_ptr,
-    sin_ptr,
-    pos,  # rotary position (int64 scalar)
-    stride_cos,
-    stride_sin,
-    eps,
-    HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    HAS_ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-):
-    """``[BLOCK_H, HEAD_PAD]`` fp32: RMSNorm (optional) then rotary (optional) of the heads."""
-    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
-    mask_d = offs_d < HEAD
-    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
-    base = row_ptr + offs_h.to(tl.int64)[:, None] * HEAD
-    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)  # [BLOCK_H]
-        w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)  # [HEAD_PAD]
-        x = x * inv_rms[:, None] * w[None, :]
-    if HAS_ROTARY:
-        # Channel j pairs with a partner; outside the rotary range cos = 1, sin = 0 pass through.
-        HALF: tl.constexpr = ROT_DIM // 2
-        in_rot = (offs_d < ROT_DIM) & mask_d
-        if INTERLEAVED:
-            first = (offs_d % 2) == 0
-            partner = tl.where(first, offs_d + 1, offs_d - 1)
-            c_idx = offs_d // 2
-        else:
-            first = offs_d < HALF
-            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-            c_idx = tl.where(first, offs_d, offs_d - HALF)
-        partner = tl.where(in_rot, partner, offs_d)  # [HEAD_PAD]
-        c_idx = tl.where(in_rot, c_idx, 0)
-        xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            wp = tl.load(w_ptr + partner, mask=mask_d, other=0.0).to(tl.float32)
-            xp = xp * inv_rms[:, None] * wp[None, :]
-        cos = tl.load(cos_ptr + pos * stride_cos + c_idx, mask=in_rot, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + c_idx, mask=in_rot, other=0.0).to(tl.float32)
-        sin = tl.where(first, -sin, sin)  # [HEAD_PAD]
-        x = x * cos[None, :] + xp * sin[None, :]
-    return x
-
-
-@triton.jit
-def _store_cache_rows(
-    dst,  # [BLOCK_H, HEAD_PAD] pointers
-    x,  # [BLOCK_H, HEAD_PAD] fp32
-    scale_ptr,
-    offs_h,
-    offs_d,
-    stride_sc_h,
-    stride_sc_d,
-    mask,
-    QUANT: tl.constexpr,
-):
-    """Convert (one rounding) or int8-quantize (round-to-nearest-even, clamp +-127) and store."""
-    if QUANT:
-        sc = tl.load(
-            scale_ptr + offs_h[:, None] * stride_sc_h + offs_d[None, :] * stride_sc_d,
-            mask=mask,
-            other=1.0,
-        )  # [BLOCK_H, HEAD_PAD] fp32
-        y = tl.math.div_rn(x, sc)
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-        y = (y + _RINT_MAGIC) - _RINT_MAGIC
-        tl.store(dst, y.to(tl.int8), mask=mask)
-    else:
-        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+from ..._triton_prologue import norm_rope_heads, store_cache_rows
+from ..._triton_utils import next_pow2, wait_prior_grids
 
 
 @triton.jit
@@ -186,10 +102,8 @@ def gqa_prologue_kernel(
     V_QUANT: tl.constexpr,
     Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    EARLY_RELEASE: tl.constexpr = False,  # the next kernel may start now (release_dependents)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
-    release_dependents(PDL, EARLY_RELEASE)
     tok = tl.program_id(0)
     b = (tok // seq_len).to(tl.int64)
     s = (tok % seq_len).to(tl.int64)
@@ -213,7 +127,7 @@ def gqa_prologue_kernel(
     if pid_h < nqb:
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
         mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
-        x = _norm_rope_heads(
+        x = norm_rope_heads(
             q_ptr + b * stride_qb + s * stride_qs, offs_h, NUM_HEADS, qn_w_ptr, cos_ptr,
             sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
             HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
@@ -238,19 +152,19 @@ def gqa_prologue_kernel(
             write = write & (s < total_len)  # right padding is not written
         mask = (offs_h < KV_HEADS)[:, None] & mask_d[None, :] & write  # [BLOCK_H, HEAD_PAD]
         row = offs_h.to(tl.int64)[:, None]
-        k = _norm_rope_heads(
+        k = norm_rope_heads(
             k_ptr + b * stride_kb + s * stride_ks, offs_h, KV_HEADS, kn_w_ptr, cos_ptr,
             sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
             HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
         )  # fmt: skip
         k_dst = kc_ptr + b * stride_kcb + row * stride_kch + qpos * stride_kcc + offs_d[None, :]
-        _store_cache_rows(
+        store_cache_rows(
             k_dst, k, ks_ptr, offs_h, offs_d, stride_ks_h, stride_ks_d, mask, QUANT=K_QUANT
         )
         v_src = v_ptr + b * stride_vb + s * stride_vs + row * HEAD + offs_d[None, :]
         v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_PAD]
         v_dst = vc_ptr + b * stride_vcb + row * stride_vch + qpos * stride_vcc + offs_d[None, :]
-        _store_cache_rows(
+        store_cache_rows(
             v_dst, v, vs_ptr, offs_h, offs_d, stride_vs_h, stride_vs_d, mask, QUANT=V_QUANT
         )
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..._triton_prologue import norm_rope_heads, store_cache_rows
 from ..._triton_utils import wait_prior_grids
-from ...gqa.triton.prologue import _norm_rope_heads, _store_cache_rows
 from ._schedule import pick, sequence_of_token
 
 
@@ -88,7 +88,7 @@ def paged_prologue_kernel(
     if pid_h < nqb:
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
         mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
-        x = _norm_rope_heads(
+        x = norm_rope_heads(
             q_ptr + t * stride_q, offs_h, NUM_HEADS, qn_w_ptr, cos_ptr, sin_ptr, rot_pos,
             stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
             HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
@@ -111,18 +111,18 @@ def paged_prologue_kernel(
         slot = tl.where(write, blk, 0).to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         mask = (offs_h < KV_HEADS)[:, None] & mask_d[None, :] & write  # [BLOCK_H, HEAD_PAD]
         row = slot * (KV_HEADS * HEAD) + offs_h.to(tl.int64)[:, None] * HEAD  # [BLOCK_H, 1]
-        k = _norm_rope_heads(
+        k = norm_rope_heads(
             k_ptr + t * stride_k, offs_h, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, rot_pos,
             stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
             HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
         )  # fmt: skip
-        _store_cache_rows(
+        store_cache_rows(
             kc_ptr + row + offs_d[None, :], k, ks_ptr, offs_h, offs_d, stride_ks_h, stride_ks_d,
             mask, QUANT=K_QUANT,
         )  # fmt: skip
         v_src = v_ptr + t * stride_v + offs_h.to(tl.int64)[:, None] * HEAD + offs_d[None, :]
         v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HEAD_PAD]
-        _store_cache_rows(
+        store_cache_rows(
             vc_ptr + row + offs_d[None, :], v, vs_ptr, offs_h, offs_d, stride_vs_h, stride_vs_d,
             mask, QUANT=V_QUANT,
         )  # fmt: skip

@@ -36,13 +36,12 @@ import triton.language as tl
 
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
+from ..._triton_prologue import norm_rope_heads, to_cache
 from ..._triton_utils import TL_DTYPES as _TL
 from ..._triton_utils import (
     cdiv,
-    check_prefetch_rows,
     next_pow2,
     pdl_kwargs,
-    prefetch_rows_l2,
     wait_prior_grids,
 )
 from ..._triton_utils import interpret as _interpret
@@ -62,42 +61,47 @@ _empty = torch.empty  # every buffer of this tier is allocated here (tests poiso
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j_start,
-    j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW: tl.constexpr,
-    SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
-    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
+    j_start, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
+    IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
 
     Window segment: candidate c is main row ``lo + c``. Selected segment: candidate j is
-    ``idx_ptr[j * stride_idx]``; ``limit`` is C (main) or A (auxiliary).
+    ``idx_ptr[j * stride_idx]``; ``limit`` is C (main) or A (auxiliary). ``SUBST`` (fused
+    prologue, main-cache segments): valid candidates at row ``new_pos`` (the new token's row,
+    which another program of the grid may be writing) are not loaded but counted in
+    ``n_new`` (int32 scalar), for ``_fold_new_row`` after the loop.
     """
     if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
         while j0 < j_end:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
-                j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW,
-                SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N,
+            acc, m_i, l_i, n_new = _attend_tile(
+                acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
+                BLOCK_N, SUBST,
             )  # fmt: skip
             j0 += BLOCK_N
     else:
         for j0 in range(j_start, j_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
-                j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW,
-                SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N,
+            acc, m_i, l_i, n_new = _attend_tile(
+                acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
+                BLOCK_N, SUBST,
             )  # fmt: skip
-    return acc, m_i, l_i
+    return acc, m_i, l_i, n_new
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_end,
-    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, IS_WINDOW: tl.constexpr,
-    SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
-    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
+    j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
     offs_j = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate slots
     in_range = offs_j < j_end
@@ -112,6 +116,10 @@ def _attend_tile(
             ok = ok & (pos <= qpos)
             if DEDUP:
                 ok = ok & (pos < lo)  # inside the window: already a candidate
+    if SUBST:
+        is_new = ok & (pos == new_pos)  # [BLOCK_N]
+        n_new += tl.sum(is_new.to(tl.int32), 0)
+        ok = ok & (pos != new_pos)
     # in-head offsets fit int32 (the host checks C * stride < 2**31); the base is int64
     pos = tl.where(ok, pos, 0).to(tl.int32)
     ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
@@ -126,33 +134,103 @@ def _attend_tile(
     v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
     pv = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
     acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i, n_new
+
+
+@triton.jit
+def _new_row_logits(q, k_new, qk_scale, QK_DTYPE: tl.constexpr):
+    """``[G_PAD]`` log2-domain logits of the new token's row ``k_new [1, HEAD_PAD]`` (cache
+    dtype) with the tiles' operand roundings: Q and K in QK_DTYPE, fp32 products and sum."""
+    kq = k_new.to(QK_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
+    return tl.sum(q.to(QK_DTYPE).to(tl.float32) * kq, 1) * qk_scale
+
+
+@triton.jit
+def _fold_new_row(acc, m_i, l_i, n_new, s_new, v_new, PV_DTYPE: tl.constexpr):
+    """Fold the new token's row (logits ``s_new [G_PAD]``, ``v_new [1, HEAD_PAD]`` in the cache
+    dtype), a candidate ``n_new`` times (0: no change), into (acc, m, l); P rounded to
+    PV_DTYPE as in the tiles."""
+    s = tl.where(n_new > 0, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe)  # [G_PAD], 0 when not a candidate
+    l_i = l_i * alpha + p * n_new
+    vp = v_new.to(PV_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
+    pw = p.to(PV_DTYPE).to(tl.float32) * n_new  # [G_PAD]
+    acc = acc * alpha[:, None] + pw[:, None] * vp
     return acc, m_new, l_i
 
 
 @triton.jit
-def _prefetch_selected(
-    kc_ptr, vc_ptr, sel_ptr, cnt_ptr, seq_len, cap, max_sel, chunk, win_splits, split, kvh, row,
-    stride_sel_r, stride_sel_j, stride_cnt, stride_kcb, stride_kch, stride_kcc, stride_vcb,
-    stride_vch, stride_vcc, HEAD: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+def _rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS: tl.constexpr):
+    """The new token's rotary position (position_ids or qpos), clamped into the rotary cache
+    as the prologue kernel does (never a read outside it)."""
+    if HAS_POS:
+        pos = tl.load(pos_ptr + b * stride_pb).to(tl.int64)
+    else:
+        pos = qpos
+    return tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+
+
+@triton.jit
+def _fused_q(
+    xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, heads, mask_g, offs_d, mask_d,
+    stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps,
+    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    ROT_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_QNORM: tl.constexpr, K_QUANT: tl.constexpr, Q_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """L2 prefetch of the main-cache K and V rows of this split's first ROWS selected
-    candidates (every 128-byte line); indices are clamped into the cache (invalid entries only
-    prefetch a row that is never read)."""
-    b = row // seq_len
-    cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
-    j = (split - win_splits).to(tl.int64) * chunk + tl.arange(0, ROWS)  # [ROWS]
-    ok = (split >= win_splits) & (j < tl.minimum(cnt, max_sel))
-    idx = tl.load(sel_ptr + row * stride_sel_r + j * stride_sel_j, mask=ok, other=0)
-    idx = tl.minimum(tl.maximum(idx.to(tl.int64), 0), cap - 1)  # [ROWS]
-    prefetch_rows_l2(kc_ptr + b * stride_kcb + kvh * stride_kch + idx * stride_kcc, HEAD,
-                     INTERPRET)  # fmt: skip
-    prefetch_rows_l2(vc_ptr + b * stride_vcb + kvh * stride_vch + idx * stride_vcc, HEAD,
-                     INTERPRET)  # fmt: skip
+    """``q [G_PAD, HEAD_PAD]`` of this KV head's query heads for the one new token of batch
+    ``b``: QK-norm + rotary in fp32 (the prologue kernel's helper), int8 K: ``* k_scale``,
+    rounded once to ``Q_DTYPE``, as ``gqa_prologue_kernel`` writes it."""
+    q_heads = tl.where(mask_g, heads, NUM_HEADS)  # [G_PAD] padding heads masked out
+    x = norm_rope_heads(
+        xq_ptr + b * stride_xqb, q_heads, NUM_HEADS, qn_w_ptr, cos_ptr, sin_ptr, pos,
+        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
+        HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+    )  # fmt: skip
+    if K_QUANT:  # fold the K scale into Q before its one rounding
+        ks = tl.load(ks_ptr + kvh * stride_ks_h + offs_d * stride_ks_d, mask=mask_d, other=0.0)
+        x = x * ks[None, :]
+    return x.to(Q_DTYPE)
+
+
+@triton.jit
+def _fused_new_k(
+    xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, kc_base, b, pos, kvh, offs_d, mask_d,
+    stride_xkb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr,
+    HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_KNORM: tl.constexpr,
+    K_QUANT: tl.constexpr,
+):  # fmt: skip
+    """The new token's ``k [1, HEAD_PAD]`` of KV head ``kvh`` in the cache dtype: QK-norm +
+    rotary in fp32, rounded (or int8-quantized) once, as the prologue kernel stores it."""
+    kv_head = kvh + tl.arange(0, 1)  # [1]
+    k = norm_rope_heads(
+        xk_ptr + b * stride_xkb, kv_head, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, pos,
+        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
+        HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+    )  # fmt: skip
+    return to_cache(k, ks_ptr, kv_head, offs_d, stride_ks_h, stride_ks_d, mask_d[None, :],
+                    kc_base.dtype.element_ty, K_QUANT)  # fmt: skip
+
+
+@triton.jit
+def _fused_new_v(xv_ptr, vs_ptr, vc_base, b, kvh, offs_d, mask_d, stride_xvb, stride_vs_h,
+                 stride_vs_d, HEAD: tl.constexpr, V_QUANT: tl.constexpr):  # fmt: skip
+    """The new token's ``v [1, HEAD_PAD]`` of KV head ``kvh``, rounded (or quantized) once to
+    the cache dtype."""
+    kv_head = kvh + tl.arange(0, 1)  # [1]
+    v_src = xv_ptr + b * stride_xvb + kv_head[:, None] * HEAD + offs_d[None, :]
+    v = tl.load(v_src, mask=mask_d[None, :], other=0.0).to(tl.float32)  # [1, HEAD_PAD]
+    return to_cache(v, vs_ptr, kv_head, offs_d, stride_vs_h, stride_vs_d, mask_d[None, :],
+                    vc_base.dtype.element_ty, V_QUANT)  # fmt: skip
 
 
 @triton.jit
 def dsa_split_kernel(
-    q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype; int8 K: * k_scale), contiguous
+    q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype; int8 K: * k_scale), contiguous (unfused)
     qa_ptr,  # the same without the k_scale fold (for auxiliary K; == q_ptr when no fold)
     kc_ptr,  # [B, KV, C, HEAD] main cache (float or int8)
     vc_ptr,
@@ -164,6 +242,15 @@ def dsa_split_kernel(
     vs_ptr,  # v_scale fp32 [1] or [KV, 1, HEAD] (HAS_VSCALE)
     o_part_ptr,  # [B*S, N, num_splits, HEAD] fp32
     lse_part_ptr,  # [B*S, N, num_splits] fp32
+    xq_ptr,  # FUSE_PROLOGUE: the raw query [B, 1, N*HEAD] (or packed QKV's Q part)
+    xk_ptr,  # FUSE_PROLOGUE: new K [B, 1, KV*HEAD]
+    xv_ptr,  # FUSE_PROLOGUE: new V [B, 1, KV*HEAD]
+    qn_w_ptr,  # [HEAD] (HAS_QNORM)
+    kn_w_ptr,  # [HEAD] (HAS_KNORM)
+    cos_ptr,  # [max_pos, ROT_DIM / 2] (HAS_ROTARY)
+    sin_ptr,
+    pos_ptr,  # [B, 1] int64 position ids (HAS_POS)
+    ks_ptr,  # k_scale fp32 [1] or [KV, 1, HEAD] (K_QUANT)
     seq_len,
     cap,  # C
     aux_len,  # A
@@ -189,8 +276,19 @@ def dsa_split_kernel(
     stride_vac,
     stride_vs_h,
     stride_vs_d,
+    stride_xqb,
+    stride_xkb,
+    stride_xvb,
+    stride_pb,
+    stride_cos,
+    stride_sin,
+    stride_ks_h,
+    stride_ks_d,
+    max_pos,
+    eps,
     qk_scale,  # scale * log2(e)
     NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -210,20 +308,19 @@ def dsa_split_kernel(
     SEL_PV_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    PREFETCH_ROWS: tl.constexpr = 0,  # L2-prefetch this many selected rows before the PDL wait
+    FUSE_PROLOGUE: tl.constexpr = False,  # S = 1: the prologue's work in this kernel
+    Q_DTYPE: tl.constexpr = tl.bfloat16,  # FUSE_PROLOGUE: the dtype Q is rounded to
+    ROT_DIM: tl.constexpr = 0,
+    HAS_ROTARY: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False,
+    HAS_KNORM: tl.constexpr = False,
+    K_QUANT: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     row = tl.program_id(2).to(tl.int64)
-    if PREFETCH_ROWS > 0:
-        if not SEL_AUX:
-            # Before the wait (the prologue may still run, having released this kernel early):
-            # the selection was complete before the prologue started, and a prefetch only
-            # warms L2, which the prologue's append writes through.
-            _prefetch_selected(kc_ptr, vc_ptr, sel_ptr, cnt_ptr, seq_len, cap, max_sel, chunk,
-                               win_splits, split, kvh, row, stride_sel_r, stride_sel_j,
-                               stride_cnt, stride_kcb, stride_kch, stride_kcc, stride_vcb,
-                               stride_vch, stride_vcc, HEAD, PREFETCH_ROWS, INTERPRET)  # fmt: skip
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     b = row // seq_len
     s = row % seq_len
@@ -245,21 +342,40 @@ def dsa_split_kernel(
     heads = kvh * GROUP + offs_g  # [G_PAD] query heads
     q_offs = (row * NUM_HEADS + heads)[:, None] * HEAD + offs_d[None, :]
     q_mask = mask_g[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
+    kc_base = kc_ptr + b * stride_kcb + kvh * stride_kch
+    vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
+    if FUSE_PROLOGUE:  # seq_len == 1: row == b
+        rot_pos = _rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS)
+        q = _fused_q(
+            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, heads, mask_g, offs_d,
+            mask_d, stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps,
+            NUM_HEADS, HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT,
+            Q_DTYPE,
+        )  # fmt: skip
+        k_new = _fused_new_k(
+            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, kc_base, b, rot_pos, kvh, offs_d,
+            mask_d, stride_xkb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS,
+            HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT,
+        )  # fmt: skip
+        s_new = _new_row_logits(q, k_new, qk_scale, MAIN_QK_DTYPE)  # [G_PAD]
+        write = (qpos >= 0) & (qpos < cap) & (total_len > 0)
+        new_pos = tl.where(write, qpos, -1)  # the row the new token goes to (-1: none)
+    else:
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
+        new_pos = -1
+    n_new = tl.zeros([], dtype=tl.int32)  # candidates at new_pos (FUSE_PROLOGUE)
 
     acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    kc_base = kc_ptr + b * stride_kcb + kvh * stride_kch
-    vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
     from_main = split >= 0  # this split reads the main cache (scalar bool)
     if HAS_WINDOW:
         w0 = split * chunk
         w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0, w1, lo,
-            qpos, row_real, cap, offs_d, mask_d, qk_scale, True, True, False, MAIN_QK_DTYPE,
-            MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N, INTERPRET,
+        acc, m_i, l_i, n_new = _attend_tiles(
+            acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
+            w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
+            FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
@@ -270,18 +386,33 @@ def dsa_split_kernel(
         from_main = split < win_splits
         ka_base = ka_ptr + b * stride_kab + kvh * stride_kah
         va_base = va_ptr + b * stride_vab + kvh * stride_vah
-        qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac, stride_vac,
-            j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, False, False, False,
-            SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC, BLOCK_N, INTERPRET,
+        if FUSE_PROLOGUE:  # (the host fuses only when Q needs no second, unfolded copy)
+            qa = q
+        else:
+            qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
+        acc, m_i, l_i, n_new = _attend_tiles(
+            acc, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
+            stride_vac, j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
+            False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
+            BLOCK_N, False, INTERPRET,
         )  # fmt: skip
     else:
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc, stride_vcc,
-            j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, False, True, HAS_WINDOW,
-            MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N, INTERPRET,
+        acc, m_i, l_i, n_new = _attend_tiles(
+            acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
+            stride_vcc, j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, new_pos,
+            False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
+            BLOCK_N, FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
+
+    if FUSE_PROLOGUE:
+        # The new token's row: folded in as many times as it was a candidate (its V loaded
+        # only now), and appended to the cache by split 0, after this program's reads.
+        v_new = _fused_new_v(xv_ptr, vs_ptr, vc_base, b, kvh, offs_d, mask_d, stride_xvb,
+                             stride_vs_h, stride_vs_d, HEAD, HAS_VSCALE)  # fmt: skip
+        acc, m_i, l_i = _fold_new_row(acc, m_i, l_i, n_new, s_new, v_new, MAIN_PV_DTYPE)
+        st_mask = mask_d[None, :] & (new_pos >= 0) & (split == 0)  # [1, HEAD_PAD]
+        tl.store(kc_base + new_pos * stride_kcc + offs_d[None, :], k_new, mask=st_mask)
+        tl.store(vc_base + new_pos * stride_vcc + offs_d[None, :], v_new, mask=st_mask)
 
     inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [G_PAD]
     o = acc * inv[:, None]  # [G_PAD, HEAD_PAD], zeros for an empty split
@@ -373,20 +504,18 @@ def triton_prologue_fits(p: DSAParams) -> bool:
 
 
 def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
-                 q_plain=None, early_release=False):  # fmt: skip
+                 q_plain=None):  # fmt: skip
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
     ``q_plain`` (torch path only): also Q without the k_scale fold (for auxiliary keys).
 
     ``use_triton``: the GQA tier's one-pass Triton prologue (``gqa.triton.launch.run_prologue``,
     whose contract DSAParams satisfies); else the shared torch prologue (fp32 math).
-    ``early_release``: the Triton prologue lets the split kernel start while it runs.
     """
     if use_triton:
         from ...gqa.triton.launch import run_prologue as gqa_prologue
 
-        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                     early_release=early_release)  # fmt: skip
+        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
         return
 
     qf, _, _ = prepare_from_params(
@@ -401,6 +530,66 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
             ks = ks.repeat_interleave(g, 0)  # [N, H]
         qf = qf * ks
     q_rot.copy_(qf)
+
+
+def fuse_prologue(cfg: dict, seq_len: int, triton_prologue: bool) -> bool:
+    """Whether the split kernel does the prologue's work (``cfg["FUSE_PROLOGUE"]``, a bool):
+    only for one new token per sequence (S = 1) and inputs the Triton prologue handles; every
+    split program then computes its group's Q (and the new K/V row, which split 0 stores), so
+    the prologue launch goes away. Sets ``cfg["FUSE_PROLOGUE"]`` to the answer."""
+    want = cfg.get("FUSE_PROLOGUE", False)
+    if not isinstance(want, bool):
+        raise ValueError(f"cfg['FUSE_PROLOGUE'] must be a bool, got {want!r}")
+    cfg["FUSE_PROLOGUE"] = fuse = want and seq_len == 1 and triton_prologue
+    return fuse
+
+
+def _fused_prologue_args(query, key, value, p: DSAParams, q_dtype, cache_dtype) -> dict:
+    """Keyword arguments of ``dsa_split_kernel``'s fused-prologue inputs; ``query`` None: the
+    dummies of an unfused launch."""
+    if query is None:
+        return dict(xq_ptr=None, xk_ptr=None, xv_ptr=None, qn_w_ptr=None, kn_w_ptr=None,
+                    cos_ptr=None, sin_ptr=None, pos_ptr=None, ks_ptr=None, stride_xqb=0,
+                    stride_xkb=0, stride_xvb=0, stride_pb=0, stride_cos=0, stride_sin=0,
+                    stride_ks_h=0, stride_ks_d=0, max_pos=1, eps=0.0)  # fmt: skip
+    n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
+    if key is None:  # packed QKV
+        key = query[..., n * h : (n + kv) * h]
+        value = query[..., (n + kv) * h :]
+    cos, sin = p.cos_cache, p.sin_cache
+    has_rot = p.do_rotary and cos is not None
+    pos = p.position_ids
+    quant_k = cache_dtype == torch.int8
+    ks_h, ks_d = _scale_strides(p.k_scale if quant_k else None)
+    return dict(
+        xq_ptr=query,
+        xk_ptr=key,
+        xv_ptr=value,
+        qn_w_ptr=p.q_norm_weight,
+        kn_w_ptr=p.k_norm_weight,
+        cos_ptr=cos if has_rot else None,
+        sin_ptr=sin if has_rot else None,
+        pos_ptr=pos,
+        ks_ptr=p.k_scale if quant_k else None,
+        stride_xqb=query.stride(0),
+        stride_xkb=key.stride(0),
+        stride_xvb=value.stride(0),
+        stride_pb=pos.stride(0) if pos is not None else 0,
+        stride_cos=cos.stride(0) if has_rot else 0,
+        stride_sin=sin.stride(0) if has_rot else 0,
+        stride_ks_h=ks_h,
+        stride_ks_d=ks_d,
+        max_pos=cos.shape[0] if has_rot else 1,
+        eps=p.qk_norm_epsilon,
+        Q_DTYPE=_TL[q_dtype],
+        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
+        HAS_ROTARY=has_rot,
+        INTERLEAVED=p.rotary_interleaved,
+        HAS_POS=pos is not None,
+        HAS_QNORM=p.q_norm_weight is not None,
+        HAS_KNORM=p.k_norm_weight is not None,
+        K_QUANT=quant_k,
+    )
 
 
 def dsa_triton(
@@ -427,7 +616,9 @@ def dsa_triton(
     ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
-    num_stages), ``num_splits`` and ``prologue`` ("triton" | "torch") are tuning/test hooks.
+    num_stages / FUSE_PROLOGUE), ``num_splits`` and ``prologue`` ("triton" | "torch") are
+    tuning/test hooks. ``FUSE_PROLOGUE`` (see ``fuse_prologue``): at S = 1 the split kernel
+    does the prologue's work itself (one launch fewer).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -437,20 +628,22 @@ def dsa_triton(
     if out.numel() == 0:
         return out
     q_dtype = q_dtype_for(p, query.dtype, present_key.dtype)
-    q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
     sel_aux = p.selected_kv_source == "auxiliary"
     # int8 main K with auxiliary keys: the aux dot needs Q without the k_scale fold (torch path)
     two_q = sel_aux and present_key.dtype == torch.int8
-    q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
-    # a cfg with PREFETCH_ROWS (off by default: the H200 layer chain, session 18, -1 to +6%):
-    # the split kernel starts during the prologue and L2-prefetches its selected rows before
-    # its PDL wait
-    early = check_prefetch_rows(cfg)
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
-                 q_plain, early)  # fmt: skip
+    fuse = fuse_prologue(cfg, s, use_triton)
+    if fuse:
+        q_rot = q_plain = None
+        fused = _fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
+    else:
+        q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
+        q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
+        run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
+                     use_triton, q_plain)  # fmt: skip
+        fused = _fused_prologue_args(None, None, None, p, q_dtype, present_key.dtype)
     m_sel = selected_indices.shape[1]
     window = p.local_window_size if p.local else 0
     dev_index = dev.index if dev.type == "cuda" else 0
@@ -469,10 +662,11 @@ def dsa_triton(
     main_pv = _pv_operands(q_dtype, present_value.dtype)
     sel_qk = _qk_operands(q_dtype, aux_k.dtype) if sel_aux else main_qk
     sel_pv = _pv_operands(q_dtype, aux_v.dtype) if sel_aux else main_pv
+    q_any = query if q_rot is None else q_rot  # (a dummy pointer when fused)
     dsa_split_kernel[(splits, kv, rows)](
-        **pdl_kwargs(q_rot),
-        q_ptr=q_rot,
-        qa_ptr=q_plain if two_q else q_rot,
+        **pdl_kwargs(query),
+        q_ptr=q_any,
+        qa_ptr=q_plain if two_q else q_any,
         kc_ptr=present_key,
         vc_ptr=present_value,
         ka_ptr=aux_k,
@@ -480,7 +674,7 @@ def dsa_triton(
         sel_ptr=selected_indices,
         cnt_ptr=selected_counts,
         seqlens_ptr=seqlens_k,
-        vs_ptr=p.v_scale if quant_v else q_rot,
+        vs_ptr=p.v_scale if quant_v else q_any,
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         seq_len=s,
@@ -510,6 +704,7 @@ def dsa_triton(
         stride_vs_d=vs_d,
         qk_scale=p.scale * LOG2E,
         NUM_HEADS=n,
+        KV_HEADS=kv,
         GROUP=g,
         HEAD=h,
         HEAD_PAD=max(16, next_pow2(h)),
@@ -527,6 +722,7 @@ def dsa_triton(
         SEL_PV_DTYPE=sel_pv[0],
         SEL_PV_PREC=sel_pv[1],
         INTERPRET=_interpret(),
+        **fused,
         **cfg,
     )
     merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
