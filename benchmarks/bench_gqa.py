@@ -259,6 +259,13 @@ def _decode_fn(p, cfg=None, splits=None):
     return fn
 
 
+def _fused_cfg(cache_dtype):
+    """The default decode config plus FUSE_PROLOGUE (S = 1: the split kernel does the
+    prologue's work, one launch fewer; an A/B variant, not the default yet)."""
+    dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
+    return dict(launch.decode_config(128, dot, cache_dtype, False), FUSE_PROLOGUE=True)
+
+
 def _decode_set_count(b, t, itemsize):
     return copies_for_l2(2 * b * KV * t * 128 * itemsize, min_sets=1, max_sets=8)
 
@@ -287,6 +294,11 @@ def decode(rows, best, copy_tbs):
                 100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
             )
             row["cudnn_graph_us"] = _graph_time_or_none(sdpa["cudnn"], q_sets)
+            f_us = _graph_time_or_none(_decode_fn(p, _fused_cfg(torch.bfloat16)), sets)
+            row["ours_fused_graph_us"] = f_us
+            row["fused_graph_pct_of_copy_bw"] = (
+                100 * nbytes / (f_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if f_us else None
+            )
             print(f"  {row}", flush=True)
             rows.append(row)
             del sets, q_sets
@@ -307,6 +319,10 @@ def cache_dtypes(rows, copy_tbs):
             row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
             if res.get("bf16") and res[name]:
                 row["speedup_vs_bf16"] = res["bf16"] / res[name]
+            fused = _graph_time_or_none(_decode_fn(p, _fused_cfg(dt)), sets)
+            row["ours_fused_graph_us"] = res[f"{name}_fused"] = fused
+            if res.get("bf16_fused") and fused:
+                row["fused_speedup_vs_bf16_fused"] = res["bf16_fused"] / fused
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes

@@ -126,7 +126,9 @@ def _presets(cache: str):
     q16 = "fp16" if cache == "i8" else "bf16"  # int8 K: fp16 Q rows with power-of-two scales
     attn_types = {"q_ptr": f"*{q16}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
                   "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
-                  "softcap_mult": "fp32"}  # fmt: skip
+                  "softcap_mult": "fp32", "xq_ptr": "*bf16", "xk_ptr": "*bf16", "xv_ptr": "*bf16",
+                  "pos_ptr": "*i64", "eps": "fp32"}  # fmt: skip
+    attn_q_dtype = tl.float16 if cache == "i8" else tl.bfloat16
     flags = dict(IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_BIAS=False,
                  HAS_VSCALE=cache == "i8", HAS_QSCALE=cache == "i8", DOT_PREC="tf32",
                  DOT_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16,
@@ -144,8 +146,11 @@ def _presets(cache: str):
                                    CONSUMER_REGS=240, ORDER=2, DYNAMIC=True,
                                    Q_SLOTS=2, EPILOGUE_SMEM=True), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
-                       dict(NUM_HEADS=32, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
+                       dict(NUM_HEADS=32, KV_HEADS=8, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
+                            FUSE_PROLOGUE=False, Q_DTYPE=attn_q_dtype, ROT_DIM=0,
+                            HAS_ROTARY=False, INTERLEAVED=False, HAS_POS=False, HAS_QNORM=False,
+                            HAS_KNORM=False, K_QUANT=cache == "i8",
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va", "xq", "xk",

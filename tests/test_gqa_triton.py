@@ -312,6 +312,75 @@ def test_decode_interpret(name, device):
     _run_and_check(DECODE_CASES[name], device)
 
 
+FUSED_CASES = {
+    **{k: c for k, c in DECODE_CASES.items() if c.s == 1},
+    "bias-full-qknorm-fp32-splits3": Case(
+        s=1, lens=(40, 11), first_prompt=False, act=torch.float32, bias="full", qk_norm=True,
+        num_splits=3,
+    ),
+    "packed-interleaved-pos-int8-softcap": Case(
+        s=1, lens=(17, 30), first_prompt=False, packed=True, rotary="interleaved",
+        position_ids=True, cache=torch.int8, softcap=3.0, num_splits=3,
+    ),
+    "first-prompt-s1-partial-sink": Case(s=1, lens=(1, 1), rotary="partial", sink="head"),
+    "one-split-fp32-window-qknorm": Case(
+        s=1, lens=(25, 9), first_prompt=False, act=torch.float32, window=6, num_splits=1,
+        qk_norm=True,
+    ),
+}  # fmt: skip
+
+
+def _fused_decode_config(monkeypatch, **extra):
+    orig = launch.decode_config
+    monkeypatch.setattr(launch, "decode_config",
+                        lambda *a: dict(orig(*a), FUSE_PROLOGUE=True, **extra))  # fmt: skip
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_decode_fused_prologue_interpret(name, device, monkeypatch):
+    """``FUSE_PROLOGUE`` (S = 1: each split program computes its Q rows and the new K/V row;
+    no tile reads the new row, the split whose range holds it folds it in and appends it):
+    within the fp64 tolerance, the reference's caches (``_check_cache``), and within two output
+    roundings of the prologue kernel + split kernel (NaN-filled unused cache rows: a read of
+    the not yet appended row would show)."""
+    c = FUSED_CASES[name]
+    base = _run_and_check(c, device)
+    calls = []
+    orig = launch.run_prologue
+    monkeypatch.setattr(launch, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    _fused_decode_config(monkeypatch)
+    got = _run_and_check(c, device)
+    assert calls == [], "the fused path launched the prologue kernel"
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
+
+
+@pytest.mark.interpret
+def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
+    """S > 1 keeps the prologue kernel; a non-bool FUSE_PROLOGUE is a ValueError."""
+    calls = []
+    orig = launch.run_prologue
+    monkeypatch.setattr(launch, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    _fused_decode_config(monkeypatch)
+    _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
+    assert calls == [1]
+    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["ragged-splits4-group4"], device)
+    with pytest.raises(ValueError, match="FUSE_PROLOGUE"):
+        gqa_triton(
+            query,
+            key,
+            value,
+            pk,
+            pv,
+            seqlens,
+            p,
+            decode_cfg=dict(
+                launch.decode_config(p.head_size, query.dtype, pk.dtype, True), FUSE_PROLOGUE=1
+            ),
+        )
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["causal-past", "window-softcap", "sink-bias-full",
                                   "first-bias-batch-qknorm"])  # fmt: skip
@@ -537,10 +606,27 @@ def test_prefill_gluon_gate(device, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_decode_cuda_graph_capturable(device, monkeypatch):
+@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
+def test_decode_fused_prologue_gpu(name, device, monkeypatch):
+    """FUSE_PROLOGUE on real shapes (bf16, int8 per-channel with power-of-two Q rows, fp16
+    cache with window + softcap, fp32): fp64 tolerance, the reference's caches, and within two
+    output roundings of the unfused tier."""
+    c = GPU_CASES[name]
+    base = _run_and_check(c, device)
+    _fused_decode_config(monkeypatch)
+    got = _run_and_check(c, device)
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
-    without it bit for bit."""
+    without it bit for bit (also with the fused prologue)."""
+    if fused:
+        _fused_decode_config(monkeypatch)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16)  # fmt: skip
     query, key, value, pk, pv, seqlens, p = _build(c, device)

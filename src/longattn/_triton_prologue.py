@@ -1,11 +1,23 @@
-"""Per-token prologue math shared by the Triton tiers (GQA's prologue kernel, the DSA split
-kernel's fused decode prologue): RMSNorm + rotary of a token's heads in fp32, and the one
-conversion (or int8 quantization) of a new K/V row to the cache dtype."""
+"""Per-token prologue math shared by the Triton tiers: RMSNorm + rotary of a token's heads in
+fp32, the one conversion (or int8 quantization) of a new K/V row to the cache dtype, and the
+power-of-two row scaling of an fp16 Q for int8 keys (the prologue kernels of GQA and paged
+attention).
+
+Fused decode prologue (``FUSE_PROLOGUE`` of the GQA and DSA split kernels, one new token per
+sequence): a split program computes its query heads' Q itself (``fused_q``, the prologue's
+values and roundings) and the new token's K/V row (``fused_new_k`` / ``fused_new_v``). No
+program reads that cache row (another program of the grid is writing it): the tile loops
+leave it out, and each program whose candidates include it folds it in once per occurrence
+after its loop (``new_row_logits`` before the loop, ``fold_new_row`` after), with the tiles'
+operand roundings. One program per (sequence, KV head) appends the row to the cache."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ._triton_utils import TL_DTYPES, scale_strides
 
 _RINT_MAGIC = tl.constexpr(
     12582912.0
@@ -101,3 +113,192 @@ def store_cache_rows(dst, x, scale_ptr, offs_h, offs_d, stride_sc_h, stride_sc_d
     y = to_cache(x, scale_ptr, offs_h, offs_d, stride_sc_h, stride_sc_d, mask,
                  dst.dtype.element_ty, QUANT)  # fmt: skip
     tl.store(dst, y, mask=mask)
+
+
+@triton.jit
+def pow2_rows(x):
+    """Rows of ``x [R, D]`` fp32 times ``2**(14 - e)``, ``e = floor(log2(max |row|))``, so each
+    row's largest magnitude lies in ``[2**14, 2**15)`` (below fp16's 65504); returns
+    ``(scaled [R, D], 2**(e - 14) [R])``. Both factors are built from exponent bits, so the
+    scaling is exact. ``e`` is clamped to ``[-112, 127]`` (zero and fp32-subnormal rows; inf/NaN
+    rows stay inf/NaN)."""
+    amax = tl.max(tl.abs(x), 1)  # [R]
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [R] floor(log2), normal amax
+    e = tl.minimum(tl.maximum(e, -112), 127)
+    up = ((141 - e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(14 - e), exponent 14..253
+    down = ((113 + e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(e - 14), exponent 1..240
+    return x * up[:, None], down
+
+
+@triton.jit
+def rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS: tl.constexpr):
+    """The new token's rotary position (``position_ids[b, 0]`` or qpos), clamped into the
+    rotary cache as the prologue kernels do (never a read outside it)."""
+    if HAS_POS:
+        pos = tl.load(pos_ptr + b * stride_pb).to(tl.int64)
+    else:
+        pos = qpos
+    return tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+
+
+@triton.jit
+def fused_q(
+    xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, heads, mask_h, stride_xqb,
+    stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr,
+    HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_QNORM: tl.constexpr,
+    K_QUANT: tl.constexpr, Q_POW2: tl.constexpr, Q_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``(q [M, HEAD_PAD] in Q_DTYPE, unscale [M] fp32)`` of query heads ``heads [M]`` (rows with
+    ``mask_h`` false read nothing and are zero) of batch ``b``'s one new token, as the prologue
+    kernel writes them: QK-norm + rotary in fp32, int8 K: ``* k_scale[kvh]``, ``Q_POW2``: each
+    row times a power of two (``unscale`` is its inverse, else 1), one rounding."""
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    x = norm_rope_heads(
+        xq_ptr + b * stride_xqb, tl.where(mask_h, heads, NUM_HEADS), NUM_HEADS, qn_w_ptr,
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD,
+        ROT_DIM=ROT_DIM, HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+    )  # fmt: skip
+    if K_QUANT:  # fold the K scale into Q before its one rounding
+        ks = tl.load(ks_ptr + kvh * stride_ks_h + offs_d * stride_ks_d, mask=offs_d < HEAD,
+                     other=0.0)  # fmt: skip
+        x = x * ks[None, :]
+    if Q_POW2:
+        x, unscale = pow2_rows(x)
+    else:
+        unscale = tl.full([x.shape[0]], 1.0, dtype=tl.float32)
+    return x.to(Q_DTYPE), unscale
+
+
+@triton.jit
+def fused_new_k(
+    xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, stride_xkb, stride_cos,
+    stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS: tl.constexpr, HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_KNORM: tl.constexpr, K_QUANT: tl.constexpr,
+    CACHE_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The new token's ``k [1, HEAD_PAD]`` of KV head ``kvh`` in the cache dtype: QK-norm +
+    rotary in fp32, rounded (or int8-quantized) once, as the prologue kernel stores it."""
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    kv_head = kvh + tl.arange(0, 1)  # [1]
+    k = norm_rope_heads(
+        xk_ptr + b * stride_xkb, kv_head, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, pos,
+        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
+        HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+    )  # fmt: skip
+    return to_cache(k, ks_ptr, kv_head, offs_d, stride_ks_h, stride_ks_d,
+                    (offs_d < HEAD)[None, :], CACHE_DTYPE, K_QUANT)  # fmt: skip
+
+
+@triton.jit
+def fused_new_v(xv_ptr, vs_ptr, b, kvh, stride_xvb, stride_vs_h, stride_vs_d,
+                HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, V_QUANT: tl.constexpr,
+                CACHE_DTYPE: tl.constexpr):  # fmt: skip
+    """The new token's ``v [1, HEAD_PAD]`` of KV head ``kvh``, rounded (or int8-quantized) once
+    to the cache dtype."""
+    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    kv_head = kvh + tl.arange(0, 1)  # [1]
+    mask = (offs_d < HEAD)[None, :]  # [1, HEAD_PAD]
+    v_src = xv_ptr + b * stride_xvb + kv_head[:, None] * HEAD + offs_d[None, :]
+    v = tl.load(v_src, mask=mask, other=0.0).to(tl.float32)  # [1, HEAD_PAD]
+    return to_cache(v, vs_ptr, kv_head, offs_d, stride_vs_h, stride_vs_d, mask, CACHE_DTYPE,
+                    V_QUANT)  # fmt: skip
+
+
+@triton.jit
+def store_new_row(kc_row, vc_row, k_new, v_new, write, HEAD: tl.constexpr,
+                  HEAD_PAD: tl.constexpr):  # fmt: skip
+    """Append the new token's ``k_new, v_new [1, HEAD_PAD]`` at the cache row pointers
+    ``kc_row / vc_row`` where ``write`` (scalar)."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    mask = (offs_d < HEAD)[None, :] & write  # [1, HEAD_PAD]
+    tl.store(kc_row + offs_d[None, :], k_new, mask=mask)
+    tl.store(vc_row + offs_d[None, :], v_new, mask=mask)
+
+
+@triton.jit
+def new_row_logits(q, k_new, DOT_DTYPE: tl.constexpr):
+    """``[M]`` fp32 raw dot products of the Q rows with the new row ``k_new [1, HEAD_PAD]``
+    (cache dtype) with the tiles' operand roundings: both in DOT_DTYPE (int8: exact integers),
+    fp32 products and sum."""
+    kq = k_new.to(DOT_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
+    return tl.sum(q.to(DOT_DTYPE).to(tl.float32) * kq, 1)
+
+
+@triton.jit
+def fold_new_row(acc, m_i, l_i, weight, s_new, v_new, PV_DTYPE: tl.constexpr):
+    """Fold the new token's row (log2-domain logits ``s_new [M]``, ``v_new [1, HEAD_PAD]`` in
+    the cache dtype) into (acc [M, HEAD_PAD], m [M], l [M]) ``weight`` times (an int32 scalar,
+    or [M]; 0: no change); P rounded to PV_DTYPE as in the tiles."""
+    s = tl.where(weight > 0, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe)  # [M], 0 when not a candidate
+    l_i = l_i * alpha + p * weight
+    vp = v_new.to(PV_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
+    pw = p.to(PV_DTYPE).to(tl.float32) * weight  # [M]
+    acc = acc * alpha[:, None] + pw[:, None] * vp
+    return acc, m_new, l_i
+
+
+def fused_prologue_args(query, key, value, p, q_dtype, cache_dtype) -> dict:
+    """Keyword arguments of a split kernel's fused-prologue inputs (``xq_ptr`` ... ``K_QUANT``,
+    as ``gqa_prologue_kernel`` takes them) from a GQAParams / DSAParams ``p``; ``query`` None:
+    the dummies of an unfused launch (the constexprs keep their defaults)."""
+    if query is None:
+        return dict(xq_ptr=None, xk_ptr=None, xv_ptr=None, qn_w_ptr=None, kn_w_ptr=None,
+                    cos_ptr=None, sin_ptr=None, pos_ptr=None, ks_ptr=None, stride_xqb=0,
+                    stride_xkb=0, stride_xvb=0, stride_pb=0, stride_cos=0, stride_sin=0,
+                    stride_ks_h=0, stride_ks_d=0, max_pos=1, eps=0.0)  # fmt: skip
+    n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
+    if key is None:  # packed QKV
+        key = query[..., n * h : (n + kv) * h]
+        value = query[..., (n + kv) * h :]
+    cos, sin = p.cos_cache, p.sin_cache
+    has_rot = p.do_rotary and cos is not None
+    pos = p.position_ids
+    quant_k = cache_dtype == torch.int8
+    ks_h, ks_d = scale_strides(p.k_scale if quant_k else None)
+    return dict(
+        xq_ptr=query,
+        xk_ptr=key,
+        xv_ptr=value,
+        qn_w_ptr=p.q_norm_weight,
+        kn_w_ptr=p.k_norm_weight,
+        cos_ptr=cos if has_rot else None,
+        sin_ptr=sin if has_rot else None,
+        pos_ptr=pos,
+        ks_ptr=p.k_scale if quant_k else None,
+        stride_xqb=query.stride(0),
+        stride_xkb=key.stride(0),
+        stride_xvb=value.stride(0),
+        stride_pb=pos.stride(0) if pos is not None else 0,
+        stride_cos=cos.stride(0) if has_rot else 0,
+        stride_sin=sin.stride(0) if has_rot else 0,
+        stride_ks_h=ks_h,
+        stride_ks_d=ks_d,
+        max_pos=cos.shape[0] if has_rot else 1,
+        eps=p.qk_norm_epsilon,
+        Q_DTYPE=TL_DTYPES[q_dtype],
+        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
+        HAS_ROTARY=has_rot,
+        INTERLEAVED=p.rotary_interleaved,
+        HAS_POS=pos is not None,
+        HAS_QNORM=p.q_norm_weight is not None,
+        HAS_KNORM=p.k_norm_weight is not None,
+        K_QUANT=quant_k,
+    )
+
+
+def fuse_prologue(cfg: dict, seq_len: int, triton_prologue: bool) -> bool:
+    """Whether the split kernel does the prologue's work (``cfg["FUSE_PROLOGUE"]``, a bool):
+    only for one new token per sequence (S = 1) and inputs the Triton prologue handles; every
+    split program then computes its query heads' Q (and the new K/V row, which one program
+    appends), so the prologue launch goes away. Sets ``cfg["FUSE_PROLOGUE"]`` to the answer."""
+    want = cfg.get("FUSE_PROLOGUE", False)
+    if not isinstance(want, bool):
+        raise ValueError(f"cfg['FUSE_PROLOGUE'] must be a bool, got {want!r}")
+    cfg["FUSE_PROLOGUE"] = fuse = want and seq_len == 1 and triton_prologue
+    return fuse

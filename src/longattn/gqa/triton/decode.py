@@ -9,6 +9,11 @@ for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 p
 
 The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
 (head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
+
+``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option, off by default until measured): the kernel
+takes the prologue's work (``longattn._triton_prologue``): each program computes its Q rows from
+the raw query; the new token's row (the sequence's last key) is left out of every tile and folded
+in by the split whose range holds it, which also appends it to the cache after its reads.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._triton_prologue import (
+    fold_new_row,
+    fused_new_k,
+    fused_new_v,
+    fused_q,
+    new_row_logits,
+    rotary_pos,
+    store_new_row,
+)
 from ..._triton_utils import wait_prior_grids
 from ._core import (
     causal_window_mask,
@@ -27,6 +41,7 @@ from ._core import (
     normalize,
     online_softmax_step,
     scores,
+    softcap_log2,
 )
 
 
@@ -98,6 +113,25 @@ def _decode_range(
 
 
 @triton.jit
+def _new_row_scores(qk_new, qk_scale, rs, softcap_mult, bias_ptr, b64, n_idx, new_pos, row_ok,
+                    stride_bias_b, stride_bias_n, stride_bias_t, HAS_SOFTCAP: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):  # fmt: skip
+    """``[ROWS_PAD]`` log2-domain logits of the new row from its raw dot products ``qk_new`` and
+    the rows' Q factors ``rs [ROWS_PAD]`` (ones without power-of-two rows), as ``scores`` makes
+    them for a tile (softcap, bias of key ``new_pos``; S = 1)."""
+    if HAS_SOFTCAP:
+        s = softcap_log2(qk_new * rs, qk_scale, softcap_mult)
+    else:
+        s = qk_new * (qk_scale * rs)
+    if HAS_BIAS:
+        ptrs = (bias_ptr + b64 * stride_bias_b + n_idx.to(tl.int64) * stride_bias_n
+                + new_pos * stride_bias_t)  # fmt: skip
+        bias = tl.load(ptrs, mask=row_ok & (new_pos >= 0), other=0.0).to(tl.float32)  # [M]
+        s = s + bias * 1.4426950408889634
+    return s
+
+
+@triton.jit
 def _split_start(offset, window, split, chunk, HAS_WINDOW: tl.constexpr):
     """First key of split ``split``: the range starts at 0, or at the window's first key."""
     kv_lo = 0
@@ -118,7 +152,17 @@ def gqa_decode_split_kernel(
     qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
     o_part_ptr,  # [B, S, N, splits, HEAD] fp32
     lse_part_ptr,  # [B, S, N, splits] fp32
+    xq_ptr,  # FUSE_PROLOGUE: the raw query [B, 1, N*HEAD] (or packed QKV's Q part)
+    xk_ptr,  # FUSE_PROLOGUE: new K [B, 1, KV*HEAD]
+    xv_ptr,  # FUSE_PROLOGUE: new V [B, 1, KV*HEAD]
+    qn_w_ptr,  # [HEAD] (HAS_QNORM)
+    kn_w_ptr,  # [HEAD] (HAS_KNORM)
+    cos_ptr,  # [max_pos, ROT_DIM / 2] (HAS_ROTARY)
+    sin_ptr,
+    pos_ptr,  # [B, 1] int64 position ids (HAS_POS)
+    ks_ptr,  # k_scale fp32 [1] or [KV, 1, HEAD] (K_QUANT)
     seq_len,
+    cap,  # C: cache rows (FUSE_PROLOGUE: the append's bound, as the prologue's)
     window,
     chunk,  # keys per split (multiple of BLOCK_N)
     num_splits,
@@ -137,9 +181,20 @@ def gqa_decode_split_kernel(
     stride_bias_t,
     stride_vs_h,
     stride_vs_d,
+    stride_xqb,
+    stride_xkb,
+    stride_xvb,
+    stride_pb,
+    stride_cos,
+    stride_sin,
+    stride_ks_h,
+    stride_ks_d,
+    max_pos,
+    eps,
     qk_scale,
     softcap_mult,
     NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD: tl.constexpr,
     ROWS_PAD: tl.constexpr,
@@ -155,6 +210,15 @@ def gqa_decode_split_kernel(
     PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    FUSE_PROLOGUE: tl.constexpr = False,  # S = 1: the prologue's work in this kernel
+    Q_DTYPE: tl.constexpr = tl.bfloat16,  # FUSE_PROLOGUE: == DOT_DTYPE
+    ROT_DIM: tl.constexpr = 0,
+    HAS_ROTARY: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False,
+    HAS_KNORM: tl.constexpr = False,
+    K_QUANT: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -172,18 +236,51 @@ def gqa_decode_split_kernel(
     row_ok = in_rows & (s_idx < rows_valid)
     qpos = tl.where(row_ok, s_idx + offset, -1)  # rows that must see nothing get qpos -1
 
-    q_ptrs = (
-        q_ptr
-        + b64 * stride_qb
-        + s_idx.to(tl.int64)[:, None] * stride_qs
-        + n_idx.to(tl.int64)[:, None] * stride_qn
-        + offs_d[None, :]
-    )
-    q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
-    row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS, HAS_QSCALE)
-
-    kv_hi = tl.minimum(offset + rows_valid, total_len)
-    start = _split_start(offset, window, split, chunk, HAS_WINDOW)
+    if FUSE_PROLOGUE:  # seq_len == 1
+        # the prologue's own view of the token: the raw (unclamped) length sets the append row
+        raw_qpos = tl.load(seqlens_ptr + b).to(tl.int64)  # total_len - 1
+        if IS_FIRST_PROMPT:
+            write = raw_qpos >= 0  # s = 0 < total_len
+            raw_qpos = raw_qpos * 0
+        else:
+            write = raw_qpos >= 0
+        write = write & (raw_qpos < cap)
+        rot_pos = rotary_pos(pos_ptr, b64, raw_qpos, stride_pb, max_pos, HAS_POS)
+        q, unscale = fused_q(
+            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh, n_idx, in_rows,
+            stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS, HEAD,
+            HEAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT, HAS_QSCALE, DOT_DTYPE,
+        )  # fmt: skip
+        row_scale = 1.0
+        if HAS_QSCALE:
+            row_scale = unscale[:, None]  # [ROWS_PAD, 1]
+        k_new = fused_new_k(
+            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh, stride_xkb,
+            stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS, HEAD, HEAD,
+            ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT, k_ptr.dtype.element_ty,
+        )  # fmt: skip
+        qk_new = new_row_logits(q, k_new, DOT_DTYPE)  # [ROWS_PAD] raw dot products
+        # Folded here (not read from the cache) when it is the last key the row sees; no
+        # tile of any split reads it. (Metadata past max_total: the tiles read the clamped
+        # range as unfused, and the row goes only to the cache.)
+        kv_hi = tl.minimum(offset + rows_valid, total_len)
+        start = _split_start(offset, window, split, chunk, HAS_WINDOW)
+        new_pos = tl.where(write & (raw_qpos == offset) & (rows_valid > 0), raw_qpos, -1)
+        mine = (new_pos >= 0) & (start <= new_pos) & (new_pos < start + chunk)
+        kv_hi = tl.where(new_pos >= 0, new_pos, kv_hi)
+    else:
+        q_ptrs = (
+            q_ptr
+            + b64 * stride_qb
+            + s_idx.to(tl.int64)[:, None] * stride_qs
+            + n_idx.to(tl.int64)[:, None] * stride_qn
+            + offs_d[None, :]
+        )
+        q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
+        row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS,
+                                   HAS_QSCALE)  # fmt: skip
+        kv_hi = tl.minimum(offset + rows_valid, total_len)
+        start = _split_start(offset, window, split, chunk, HAS_WINDOW)
     end = tl.minimum(start + chunk, kv_hi)
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
@@ -213,6 +310,20 @@ def gqa_decode_split_kernel(
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET,
     )  # fmt: skip
+
+    if FUSE_PROLOGUE:
+        # the split whose range holds the new row folds it in (its V loaded only now) and
+        # appends it to the cache after its reads; split 0 appends when no split folds it
+        s_new = _new_row_scores(qk_new, qk_scale, unscale, softcap_mult, bias_ptr, b64, n_idx,
+                                new_pos, row_ok, stride_bias_b, stride_bias_n, stride_bias_t,
+                                HAS_SOFTCAP, HAS_BIAS)  # fmt: skip
+        v_new = fused_new_v(xv_ptr, vs_ptr, b64, kvh, stride_xvb, stride_vs_h, stride_vs_d, HEAD,
+                            HEAD, HAS_VSCALE, v_ptr.dtype.element_ty)  # fmt: skip
+        weight = (row_ok & mine).to(tl.int32)  # [ROWS_PAD]
+        acc, m_i, l_i = fold_new_row(acc, m_i, l_i, weight, s_new, v_new, PV_DTYPE)
+        appender = mine | ((new_pos < 0) & (split == 0))
+        store_new_row(k_base + raw_qpos * stride_kc, v_base + raw_qpos * stride_vc, k_new,
+                      v_new, write & appender, HEAD, HEAD)  # fmt: skip
 
     o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
     if HAS_VSCALE:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton_merge import merge_splits
+from ..._triton_prologue import fuse_prologue, fused_prologue_args
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
@@ -186,10 +187,9 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     )
 
 
-def _common_flags(p: GQAParams, present_value, q_rot, q_scale) -> dict:
-    dot = q_rot.dtype
+def _common_flags(p: GQAParams, present_value, dot: torch.dtype, has_qscale: bool) -> dict:
     return dict(
-        HAS_QSCALE=q_scale is not None,
+        HAS_QSCALE=has_qscale,
         IS_FIRST_PROMPT=p.is_first_prompt,
         HAS_WINDOW=p.local_window_size > 0,
         HAS_SOFTCAP=p.softcap > 0,
@@ -395,22 +395,30 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, 
         HEAD=p.head_size,
         HAS_SINK=p.head_sink is not None or p.smooth_softmax,
         SINK_FROM_PTR=p.head_sink is not None,
-        **_common_flags(p, present_value, q_rot, q_scale),
+        **_common_flags(p, present_value, q_rot.dtype, q_scale is not None),
         **cfg,
     )
 
 
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
-               q_scale=None):  # fmt: skip
-    """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge."""
-    b, s = q_rot.shape[:2]
+               q_scale=None, fused=None, dot=None):  # fmt: skip
+    """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
+    ``fused``: the fused-prologue arguments (``_triton_prologue.fused_prologue_args``; S = 1,
+    ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype."""
+    b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
-    cfg = dict(cfg or decode_config(h, q_rot.dtype, present_key.dtype, _interpret()))
+    dot = q_rot.dtype if q_rot is not None else dot
+    q_any = q_rot if q_rot is not None else out  # (a dummy pointer when fused)
+    # power-of-two Q rows (int8 K in fp16): from the prologue (q_scale), or made in the kernel
+    q_pow2 = q_scale is not None or (
+        fused is not None and fused["K_QUANT"] and dot == torch.float16
+    )
+    cfg = dict(cfg or decode_config(h, dot, present_key.dtype, _interpret()))
     span = p.total_sequence_length
     if p.local_window_size > 0:
         span = min(span, p.local_window_size + s - 1)
     span = max(span, 1)
-    dev = q_rot.device.index if q_rot.device.type == "cuda" else 0
+    dev = out.device.index if out.device.type == "cuda" else 0
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     splits = num_splits or choose_num_splits(
@@ -418,32 +426,33 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     )
     chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     splits = cdiv(span, chunk)
-    o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=q_rot.device)
-    lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=q_rot.device)
+    o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=out.device)
+    lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=out.device)
     bias = p.attention_bias
     bias_b, bias_n, bias_s, bias_t = _bias_strides(bias)
     quant_v = present_value.dtype == torch.int8
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     qk_scale, softcap_mult = _logit_scalars(p)
     gqa_decode_split_kernel[(kv, b, splits)](
-        **pdl_kwargs(q_rot),
-        q_ptr=q_rot,
+        **pdl_kwargs(q_any),
+        q_ptr=q_any,
         k_ptr=present_key,
         v_ptr=present_value,
         seqlens_ptr=seqlens_k,
         max_total=p.total_sequence_length,
-        bias_ptr=bias if bias is not None else q_rot,
-        vs_ptr=p.v_scale if quant_v else q_rot,
-        qs_ptr=q_scale if q_scale is not None else q_rot,
+        bias_ptr=bias if bias is not None else q_any,
+        vs_ptr=p.v_scale if quant_v else q_any,
+        qs_ptr=q_scale if q_scale is not None else q_any,
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         seq_len=s,
+        cap=present_key.shape[2],
         window=max(p.local_window_size, 0),
         chunk=chunk,
         num_splits=splits,
-        stride_qb=q_rot.stride(0),
-        stride_qs=q_rot.stride(1),
-        stride_qn=q_rot.stride(2),
+        stride_qb=q_any.stride(0) if q_rot is not None else 0,
+        stride_qs=q_any.stride(1) if q_rot is not None else 0,
+        stride_qn=q_any.stride(2) if q_rot is not None else 0,
         stride_kb=present_key.stride(0),
         stride_kh=present_key.stride(1),
         stride_kc=present_key.stride(2),
@@ -459,11 +468,13 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         qk_scale=qk_scale,
         softcap_mult=softcap_mult,
         NUM_HEADS=n,
+        KV_HEADS=kv,
         GROUP=p.group,
         HEAD=h,
         ROWS_PAD=max(16, next_pow2(s * p.group)),
-        PV_DTYPE=_TL_DTYPES[pv_dtype_for(q_rot.dtype, present_value.dtype)],
-        **_common_flags(p, present_value, q_rot, q_scale),
+        PV_DTYPE=_TL_DTYPES[pv_dtype_for(dot, present_value.dtype)],
+        **_common_flags(p, present_value, dot, q_pow2),
+        **(fused or fused_prologue_args(None, None, None, p, dot, present_key.dtype)),
         **cfg,
     )
     merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
@@ -501,13 +512,20 @@ def gqa_triton(
         return out
     q_pow2 = present_key.dtype == torch.int8 and query.dtype != torch.float32
     dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
-    q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
-    q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
-    run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
+    fused = None
+    if path == "decode":
+        decode_cfg = dict(decode_cfg or decode_config(h, dot, present_key.dtype, _interpret()))
+        if fuse_prologue(decode_cfg, s, True):  # the split kernel does the prologue's work
+            fused = fused_prologue_args(query, key, value, p, dot, present_key.dtype)
+    q_rot = q_scale = None
+    if fused is None:
+        q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
+        q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
+        run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
-                   q_scale)  # fmt: skip
+                   q_scale, fused, dot)  # fmt: skip
     elif path == "prefill_gluon":
         run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:

@@ -23,23 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_prologue import norm_rope_heads, store_cache_rows
+from ..._triton_prologue import norm_rope_heads, pow2_rows, store_cache_rows
 from ..._triton_utils import next_pow2, wait_prior_grids
-
-
-@triton.jit
-def _pow2_rows(x):
-    """Rows of ``x [R, D]`` fp32 times ``2**(14 - e)``, ``e = floor(log2(max |row|))``, so each
-    row's largest magnitude lies in ``[2**14, 2**15)`` (below fp16's 65504); returns
-    ``(scaled [R, D], 2**(e - 14) [R])``. Both factors are built from exponent bits, so the
-    scaling is exact. ``e`` is clamped to ``[-112, 127]`` (zero and fp32-subnormal rows; inf/NaN
-    rows stay inf/NaN)."""
-    amax = tl.max(tl.abs(x), 1)  # [R]
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [R] floor(log2), normal amax
-    e = tl.minimum(tl.maximum(e, -112), 127)
-    up = ((141 - e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(14 - e), exponent 14..253
-    down = ((113 + e) << 23).to(tl.float32, bitcast=True)  # [R] 2**(e - 14), exponent 1..240
-    return x * up[:, None], down
 
 
 @triton.jit
@@ -140,7 +125,7 @@ def gqa_prologue_kernel(
             )  # [BLOCK_H, HEAD_PAD]
             x = x * ks
         if Q_POW2:
-            x, unscale = _pow2_rows(x)
+            x, unscale = pow2_rows(x)
             qs_dst = qs_ptr + (b * seq_len + s) * NUM_HEADS + offs_h  # [BLOCK_H]
             tl.store(qs_dst, unscale, mask=offs_h < NUM_HEADS)
         dst = qout_ptr + b * stride_qob + s * stride_qos + offs_h[:, None] * HEAD + offs_d[None, :]

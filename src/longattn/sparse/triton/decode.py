@@ -36,7 +36,17 @@ import triton.language as tl
 
 from ..._attention_torch import prepare_from_params, scale_view
 from ..._triton_merge import merge_splits
-from ..._triton_prologue import norm_rope_heads, to_cache
+from ..._triton_prologue import (
+    fold_new_row,
+    fuse_prologue,
+    fused_new_k,
+    fused_new_v,
+    fused_prologue_args,
+    fused_q,
+    new_row_logits,
+    rotary_pos,
+    store_new_row,
+)
 from ..._triton_utils import TL_DTYPES as _TL
 from ..._triton_utils import (
     cdiv,
@@ -135,97 +145,6 @@ def _attend_tile(
     pv = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i, n_new
-
-
-@triton.jit
-def _new_row_logits(q, k_new, qk_scale, QK_DTYPE: tl.constexpr):
-    """``[G_PAD]`` log2-domain logits of the new token's row ``k_new [1, HEAD_PAD]`` (cache
-    dtype) with the tiles' operand roundings: Q and K in QK_DTYPE, fp32 products and sum."""
-    kq = k_new.to(QK_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
-    return tl.sum(q.to(QK_DTYPE).to(tl.float32) * kq, 1) * qk_scale
-
-
-@triton.jit
-def _fold_new_row(acc, m_i, l_i, n_new, s_new, v_new, PV_DTYPE: tl.constexpr):
-    """Fold the new token's row (logits ``s_new [G_PAD]``, ``v_new [1, HEAD_PAD]`` in the cache
-    dtype), a candidate ``n_new`` times (0: no change), into (acc, m, l); P rounded to
-    PV_DTYPE as in the tiles."""
-    s = tl.where(n_new > 0, s_new, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe)  # [G_PAD], 0 when not a candidate
-    l_i = l_i * alpha + p * n_new
-    vp = v_new.to(PV_DTYPE).to(tl.float32)  # [1, HEAD_PAD]
-    pw = p.to(PV_DTYPE).to(tl.float32) * n_new  # [G_PAD]
-    acc = acc * alpha[:, None] + pw[:, None] * vp
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS: tl.constexpr):
-    """The new token's rotary position (position_ids or qpos), clamped into the rotary cache
-    as the prologue kernel does (never a read outside it)."""
-    if HAS_POS:
-        pos = tl.load(pos_ptr + b * stride_pb).to(tl.int64)
-    else:
-        pos = qpos
-    return tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-
-
-@triton.jit
-def _fused_q(
-    xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, heads, mask_g, offs_d, mask_d,
-    stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps,
-    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    ROT_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_QNORM: tl.constexpr, K_QUANT: tl.constexpr, Q_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """``q [G_PAD, HEAD_PAD]`` of this KV head's query heads for the one new token of batch
-    ``b``: QK-norm + rotary in fp32 (the prologue kernel's helper), int8 K: ``* k_scale``,
-    rounded once to ``Q_DTYPE``, as ``gqa_prologue_kernel`` writes it."""
-    q_heads = tl.where(mask_g, heads, NUM_HEADS)  # [G_PAD] padding heads masked out
-    x = norm_rope_heads(
-        xq_ptr + b * stride_xqb, q_heads, NUM_HEADS, qn_w_ptr, cos_ptr, sin_ptr, pos,
-        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
-        HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
-    )  # fmt: skip
-    if K_QUANT:  # fold the K scale into Q before its one rounding
-        ks = tl.load(ks_ptr + kvh * stride_ks_h + offs_d * stride_ks_d, mask=mask_d, other=0.0)
-        x = x * ks[None, :]
-    return x.to(Q_DTYPE)
-
-
-@triton.jit
-def _fused_new_k(
-    xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, kc_base, b, pos, kvh, offs_d, mask_d,
-    stride_xkb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr,
-    HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_KNORM: tl.constexpr,
-    K_QUANT: tl.constexpr,
-):  # fmt: skip
-    """The new token's ``k [1, HEAD_PAD]`` of KV head ``kvh`` in the cache dtype: QK-norm +
-    rotary in fp32, rounded (or int8-quantized) once, as the prologue kernel stores it."""
-    kv_head = kvh + tl.arange(0, 1)  # [1]
-    k = norm_rope_heads(
-        xk_ptr + b * stride_xkb, kv_head, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, pos,
-        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
-        HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
-    )  # fmt: skip
-    return to_cache(k, ks_ptr, kv_head, offs_d, stride_ks_h, stride_ks_d, mask_d[None, :],
-                    kc_base.dtype.element_ty, K_QUANT)  # fmt: skip
-
-
-@triton.jit
-def _fused_new_v(xv_ptr, vs_ptr, vc_base, b, kvh, offs_d, mask_d, stride_xvb, stride_vs_h,
-                 stride_vs_d, HEAD: tl.constexpr, V_QUANT: tl.constexpr):  # fmt: skip
-    """The new token's ``v [1, HEAD_PAD]`` of KV head ``kvh``, rounded (or quantized) once to
-    the cache dtype."""
-    kv_head = kvh + tl.arange(0, 1)  # [1]
-    v_src = xv_ptr + b * stride_xvb + kv_head[:, None] * HEAD + offs_d[None, :]
-    v = tl.load(v_src, mask=mask_d[None, :], other=0.0).to(tl.float32)  # [1, HEAD_PAD]
-    return to_cache(v, vs_ptr, kv_head, offs_d, stride_vs_h, stride_vs_d, mask_d[None, :],
-                    vc_base.dtype.element_ty, V_QUANT)  # fmt: skip
 
 
 @triton.jit
@@ -345,19 +264,18 @@ def dsa_split_kernel(
     kc_base = kc_ptr + b * stride_kcb + kvh * stride_kch
     vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
     if FUSE_PROLOGUE:  # seq_len == 1: row == b
-        rot_pos = _rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS)
-        q = _fused_q(
-            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, heads, mask_g, offs_d,
-            mask_d, stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps,
-            NUM_HEADS, HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT,
-            Q_DTYPE,
+        rot_pos = rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS)
+        q, _ = fused_q(
+            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, heads, mask_g,
+            stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS, HEAD,
+            HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT, False, Q_DTYPE,
         )  # fmt: skip
-        k_new = _fused_new_k(
-            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, kc_base, b, rot_pos, kvh, offs_d,
-            mask_d, stride_xkb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS,
-            HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT,
+        k_new = fused_new_k(
+            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, stride_xkb, stride_cos,
+            stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS, HEAD, HEAD_PAD, ROT_DIM,
+            HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT, kc_ptr.dtype.element_ty,
         )  # fmt: skip
-        s_new = _new_row_logits(q, k_new, qk_scale, MAIN_QK_DTYPE)  # [G_PAD]
+        s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_scale  # [G_PAD] log2 domain
         write = (qpos >= 0) & (qpos < cap) & (total_len > 0)
         new_pos = tl.where(write, qpos, -1)  # the row the new token goes to (-1: none)
     else:
@@ -407,12 +325,11 @@ def dsa_split_kernel(
     if FUSE_PROLOGUE:
         # The new token's row: folded in as many times as it was a candidate (its V loaded
         # only now), and appended to the cache by split 0, after this program's reads.
-        v_new = _fused_new_v(xv_ptr, vs_ptr, vc_base, b, kvh, offs_d, mask_d, stride_xvb,
-                             stride_vs_h, stride_vs_d, HEAD, HAS_VSCALE)  # fmt: skip
-        acc, m_i, l_i = _fold_new_row(acc, m_i, l_i, n_new, s_new, v_new, MAIN_PV_DTYPE)
-        st_mask = mask_d[None, :] & (new_pos >= 0) & (split == 0)  # [1, HEAD_PAD]
-        tl.store(kc_base + new_pos * stride_kcc + offs_d[None, :], k_new, mask=st_mask)
-        tl.store(vc_base + new_pos * stride_vcc + offs_d[None, :], v_new, mask=st_mask)
+        v_new = fused_new_v(xv_ptr, vs_ptr, b, kvh, stride_xvb, stride_vs_h, stride_vs_d, HEAD,
+                            HEAD_PAD, HAS_VSCALE, vc_ptr.dtype.element_ty)  # fmt: skip
+        acc, m_i, l_i = fold_new_row(acc, m_i, l_i, n_new, s_new, v_new, MAIN_PV_DTYPE)
+        store_new_row(kc_base + new_pos * stride_kcc, vc_base + new_pos * stride_vcc, k_new,
+                      v_new, (new_pos >= 0) & (split == 0), HEAD, HEAD_PAD)  # fmt: skip
 
     inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [G_PAD]
     o = acc * inv[:, None]  # [G_PAD, HEAD_PAD], zeros for an empty split
@@ -532,66 +449,6 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     q_rot.copy_(qf)
 
 
-def fuse_prologue(cfg: dict, seq_len: int, triton_prologue: bool) -> bool:
-    """Whether the split kernel does the prologue's work (``cfg["FUSE_PROLOGUE"]``, a bool):
-    only for one new token per sequence (S = 1) and inputs the Triton prologue handles; every
-    split program then computes its group's Q (and the new K/V row, which split 0 stores), so
-    the prologue launch goes away. Sets ``cfg["FUSE_PROLOGUE"]`` to the answer."""
-    want = cfg.get("FUSE_PROLOGUE", False)
-    if not isinstance(want, bool):
-        raise ValueError(f"cfg['FUSE_PROLOGUE'] must be a bool, got {want!r}")
-    cfg["FUSE_PROLOGUE"] = fuse = want and seq_len == 1 and triton_prologue
-    return fuse
-
-
-def _fused_prologue_args(query, key, value, p: DSAParams, q_dtype, cache_dtype) -> dict:
-    """Keyword arguments of ``dsa_split_kernel``'s fused-prologue inputs; ``query`` None: the
-    dummies of an unfused launch."""
-    if query is None:
-        return dict(xq_ptr=None, xk_ptr=None, xv_ptr=None, qn_w_ptr=None, kn_w_ptr=None,
-                    cos_ptr=None, sin_ptr=None, pos_ptr=None, ks_ptr=None, stride_xqb=0,
-                    stride_xkb=0, stride_xvb=0, stride_pb=0, stride_cos=0, stride_sin=0,
-                    stride_ks_h=0, stride_ks_d=0, max_pos=1, eps=0.0)  # fmt: skip
-    n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
-    if key is None:  # packed QKV
-        key = query[..., n * h : (n + kv) * h]
-        value = query[..., (n + kv) * h :]
-    cos, sin = p.cos_cache, p.sin_cache
-    has_rot = p.do_rotary and cos is not None
-    pos = p.position_ids
-    quant_k = cache_dtype == torch.int8
-    ks_h, ks_d = _scale_strides(p.k_scale if quant_k else None)
-    return dict(
-        xq_ptr=query,
-        xk_ptr=key,
-        xv_ptr=value,
-        qn_w_ptr=p.q_norm_weight,
-        kn_w_ptr=p.k_norm_weight,
-        cos_ptr=cos if has_rot else None,
-        sin_ptr=sin if has_rot else None,
-        pos_ptr=pos,
-        ks_ptr=p.k_scale if quant_k else None,
-        stride_xqb=query.stride(0),
-        stride_xkb=key.stride(0),
-        stride_xvb=value.stride(0),
-        stride_pb=pos.stride(0) if pos is not None else 0,
-        stride_cos=cos.stride(0) if has_rot else 0,
-        stride_sin=sin.stride(0) if has_rot else 0,
-        stride_ks_h=ks_h,
-        stride_ks_d=ks_d,
-        max_pos=cos.shape[0] if has_rot else 1,
-        eps=p.qk_norm_epsilon,
-        Q_DTYPE=_TL[q_dtype],
-        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
-        HAS_ROTARY=has_rot,
-        INTERLEAVED=p.rotary_interleaved,
-        HAS_POS=pos is not None,
-        HAS_QNORM=p.q_norm_weight is not None,
-        HAS_KNORM=p.k_norm_weight is not None,
-        K_QUANT=quant_k,
-    )
-
-
 def dsa_triton(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -617,7 +474,7 @@ def dsa_triton(
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
     num_stages / FUSE_PROLOGUE), ``num_splits`` and ``prologue`` ("triton" | "torch") are
-    tuning/test hooks. ``FUSE_PROLOGUE`` (see ``fuse_prologue``): at S = 1 the split kernel
+    tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel
     does the prologue's work itself (one launch fewer).
     """
     b, s = query.shape[:2]
@@ -637,13 +494,13 @@ def dsa_triton(
     fuse = fuse_prologue(cfg, s, use_triton)
     if fuse:
         q_rot = q_plain = None
-        fused = _fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
+        fused = fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
     else:
         q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
         q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
         run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
                      use_triton, q_plain)  # fmt: skip
-        fused = _fused_prologue_args(None, None, None, p, q_dtype, present_key.dtype)
+        fused = fused_prologue_args(None, None, None, p, q_dtype, present_key.dtype)
     m_sel = selected_indices.shape[1]
     window = p.local_window_size if p.local else 0
     dev_index = dev.index if dev.type == "cuda" else 0
