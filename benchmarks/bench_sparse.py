@@ -238,10 +238,12 @@ def _dsa_cfg(**extra):
 
 
 # FUSE_PROLOGUE A/B variants of the layer section: the split kernel does the prologue's work at
-# S = 1 (one launch fewer); "fused128" also caps the registers at 128 (the fused sm_90 build
-# takes ~195 at H=256 bf16, which halves the programs per SM; 128 spills ~56 bytes outside the
-# loop only, benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True --maxnreg 128)
+# S = 1 (one launch fewer). The fused sm_90 build takes 195 registers at H=256 bf16 (unfused 121;
+# 42 KB of shared memory at 2 stages): 2 programs per SM; a cap of 168 keeps 3 without spills,
+# 128 keeps the unfused kernel's 4 with 56 bytes of spills outside the loop
+# (benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True --stages 2 --maxnreg N)
 _FUSED_VARIANTS = {"fused": dict(FUSE_PROLOGUE=True),
+                   "fused168": dict(FUSE_PROLOGUE=True, maxnreg=168),
                    "fused128": dict(FUSE_PROLOGUE=True, maxnreg=128)}  # fmt: skip
 
 

@@ -784,7 +784,7 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
     "cache,mode,extra",
     [
         (torch.bfloat16, "selected_only", {}),
-        (torch.bfloat16, "selected_only", {"maxnreg": 128}),
+        (torch.bfloat16, "selected_only", {"maxnreg": 168}),
         (torch.float16, "selected_only", {}),
         (torch.int8, "selected_only", {"maxnreg": 128}),
         (torch.bfloat16, "local_plus_selected", {}),
