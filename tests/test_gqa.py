@@ -613,13 +613,27 @@ def test_validate_false_reads_no_values(monkeypatch):
         group_query_attention(**_base_kwargs(), validate=1)
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "triton"])
-def test_unvalidated_bad_seqlens_stay_in_bounds(backend):
+@pytest.mark.parametrize("backend", ["reference", "chunked", "triton", "triton-fused"])
+def test_unvalidated_bad_seqlens_stay_in_bounds(backend, monkeypatch):
     """seqlens_k beyond the capacity / negative with validate=False (as under CUDA graphs): no
     error, nothing written outside the sequence's valid rows, no read past the cache (the
-    caches are views into a NaN-filled buffer: a stray read would show up as NaN)."""
-    if backend == "triton" and not (torch.cuda.is_available() or _cascade.interpreter_active()):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    caches are views into a NaN-filled buffer: a stray read would show up as NaN).
+    "triton-fused": the decode kernel's fused prologue (FUSE_PROLOGUE) does the append."""
+    calls = None  # prologue-kernel launches (triton-fused)
+    if backend.startswith("triton"):
+        if not (torch.cuda.is_available() or _cascade.interpreter_active()):
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+        if backend == "triton-fused":
+            from longattn.gqa.triton import launch
+
+            orig = launch.decode_config
+            monkeypatch.setattr(launch, "decode_config",
+                                lambda *a: dict(orig(*a), FUSE_PROLOGUE=True))  # fmt: skip
+            calls = []
+            prologue = launch.run_prologue
+            monkeypatch.setattr(launch, "run_prologue",
+                                lambda *a, **k: calls.append(1) or prologue(*a, **k))  # fmt: skip
+        backend = "triton"
     kw = _base_kwargs()
     b, kv, cap, h = kw["past_key"].shape
     t = kw["total_sequence_length"]  # T = 10 < C = 16: no sequence owns rows >= T
@@ -641,6 +655,8 @@ def test_unvalidated_bad_seqlens_stay_in_bounds(backend):
     kw["seqlens_k"] = torch.tensor([3, -7], dtype=torch.int32)
     out, pk, pv = group_query_attention(**kw, backend=backend, validate=False)
     assert torch.isfinite(out).all() and same(pk[1], before_k[1])
+    if calls is not None:
+        assert calls == [], "the fused path launched the prologue kernel"
 
 
 # ---------------------------------------------------------------------------------------------
