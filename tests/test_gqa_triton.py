@@ -323,6 +323,10 @@ FUSED_CASES = {
         position_ids=True, cache=torch.int8, softcap=3.0, num_splits=3,
     ),
     "first-prompt-s1-partial-sink": Case(s=1, lens=(1, 1), rotary="partial", sink="head"),
+    "fp32-int8pc-bias-heads": Case(
+        s=1, lens=(12, 33), first_prompt=False, act=torch.float32, cache=torch.int8,
+        per_channel=True, bias="heads", num_splits=2,
+    ),
     "one-split-fp32-window-qknorm": Case(
         s=1, lens=(25, 9), first_prompt=False, act=torch.float32, window=6, num_splits=1,
         qk_norm=True,
