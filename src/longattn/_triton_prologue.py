@@ -4,8 +4,8 @@ power-of-two row scaling of an fp16 Q for int8 keys (the prologue kernels of GQA
 attention).
 
 Fused decode prologue (``FUSE_PROLOGUE`` of the GQA and DSA split kernels, one new token per
-sequence): a split program computes its query heads' Q itself (``fused_q``, the prologue's
-values and roundings) and the new token's K/V row (``fused_new_k`` / ``fused_new_v``). No
+sequence): a split program computes its query heads' Q itself and the new token's K/V row
+(``fused_q_k`` / ``fused_new_v``: the prologue's values and roundings). No
 program reads that cache row (another program of the grid is writing it): the tile loops
 leave it out, and each program whose candidates include it folds it in once per occurrence
 after its loop (``new_row_logits`` before the loop, ``fold_new_row`` after), with the tiles'
@@ -44,17 +44,37 @@ def norm_rope_heads(
     INTERLEAVED: tl.constexpr,
 ):
     """``[BLOCK_H, HEAD_PAD]`` fp32: RMSNorm (optional) then rotary (optional) of the heads."""
+    x, xp, w, wp, cos, sin = norm_rope_load(
+        row_ptr, offs_h, num_heads, w_ptr, cos_ptr, sin_ptr, pos, stride_cos, stride_sin, HEAD,
+        HEAD_PAD, ROT_DIM, HAS_NORM, HAS_ROTARY, INTERLEAVED,
+    )  # fmt: skip
+    return norm_rope_math(x, xp, w, wp, cos, sin, eps, HEAD, HAS_NORM, HAS_ROTARY)
+
+
+@triton.jit
+def norm_rope_load(
+    row_ptr, offs_h, num_heads, w_ptr, cos_ptr, sin_ptr, pos, stride_cos, stride_sin,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """Every input of ``norm_rope_math``, all loads issued before any math (one memory round
+    trip, no load behind the norm's reduction): ``x, xp [BLOCK_H, HEAD_PAD]`` (the heads and
+    their rotary partners) and ``w, wp, cos, sin [HEAD_PAD]`` fp32 (``sin`` signed for the
+    first channel of each pair; outside the rotary range cos = 1, sin = 0 pass through).
+    Unused pieces are 0.0."""
     offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
     mask_d = offs_d < HEAD
     mask = (offs_h < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
     base = row_ptr + offs_h.to(tl.int64)[:, None] * HEAD
     x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = 0.0
     if HAS_NORM:
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)  # [BLOCK_H]
         w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)  # [HEAD_PAD]
-        x = x * inv_rms[:, None] * w[None, :]
+    xp = 0.0
+    wp = 0.0
+    cos = 0.0
+    sin = 0.0
     if HAS_ROTARY:
-        # Channel j pairs with a partner; outside the rotary range cos = 1, sin = 0 pass through.
         HALF: tl.constexpr = ROT_DIM // 2
         in_rot = (offs_d < ROT_DIM) & mask_d
         if INTERLEAVED:
@@ -70,10 +90,23 @@ def norm_rope_heads(
         xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             wp = tl.load(w_ptr + partner, mask=mask_d, other=0.0).to(tl.float32)
-            xp = xp * inv_rms[:, None] * wp[None, :]
         cos = tl.load(cos_ptr + pos * stride_cos + c_idx, mask=in_rot, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + pos * stride_sin + c_idx, mask=in_rot, other=0.0).to(tl.float32)
         sin = tl.where(first, -sin, sin)  # [HEAD_PAD]
+    return x, xp, w, wp, cos, sin
+
+
+@triton.jit
+def norm_rope_math(x, xp, w, wp, cos, sin, eps, HEAD: tl.constexpr, HAS_NORM: tl.constexpr,
+                   HAS_ROTARY: tl.constexpr):  # fmt: skip
+    """RMSNorm (each row's rms over its HEAD channels, times ``w``) then rotary (the partner
+    channel normed with the row's rms and ``wp``) of ``norm_rope_load``'s inputs, fp32."""
+    if HAS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD + eps)  # [BLOCK_H]
+        x = x * inv_rms[:, None] * w[None, :]
+    if HAS_ROTARY:
+        if HAS_NORM:
+            xp = xp * inv_rms[:, None] * wp[None, :]
         x = x * cos[None, :] + xp * sin[None, :]
     return x
 
@@ -142,53 +175,53 @@ def rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def fused_q(
-    xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, heads, mask_h, stride_xqb,
-    stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr,
-    HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_QNORM: tl.constexpr,
+def fused_q_k(
+    xq_ptr, xk_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, heads, mask_h,
+    stride_xqb, stride_xkb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps,
+    NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
     K_QUANT: tl.constexpr, Q_POW2: tl.constexpr, Q_DTYPE: tl.constexpr,
+    CACHE_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """``(q [M, HEAD_PAD] in Q_DTYPE, unscale [M] fp32)`` of query heads ``heads [M]`` (rows with
-    ``mask_h`` false read nothing and are zero) of batch ``b``'s one new token, as the prologue
-    kernel writes them: QK-norm + rotary in fp32, int8 K: ``* k_scale[kvh]``, ``Q_POW2``: each
-    row times a power of two (``unscale`` is its inverse, else 1), one rounding."""
+    """The prologue kernel's values for batch ``b``'s one new token, inside a split program:
+
+    - ``q [M, HEAD_PAD]`` in Q_DTYPE of query heads ``heads [M]`` (rows with ``mask_h`` false
+      read nothing and are zero): QK-norm + rotary in fp32, int8 K: ``* k_scale[kvh]``,
+      ``Q_POW2``: each row times a power of two, one rounding; ``unscale [M]`` the inverse
+      powers (ones without Q_POW2);
+    - ``k [1, HEAD_PAD]`` of KV head ``kvh`` in CACHE_DTYPE: QK-norm + rotary, rounded (or
+      int8-quantized) once.
+
+    Every load of both is issued before any math (one memory round trip on the split kernel's
+    critical path, ahead of its first tile)."""
     offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
-    x = norm_rope_heads(
+    kv_head = kvh + tl.arange(0, 1)  # [1]
+    xq = norm_rope_load(
         xq_ptr + b * stride_xqb, tl.where(mask_h, heads, NUM_HEADS), NUM_HEADS, qn_w_ptr,
-        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD,
-        ROT_DIM=ROT_DIM, HAS_NORM=HAS_QNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, HEAD, HEAD_PAD, ROT_DIM, HAS_QNORM,
+        HAS_ROTARY, INTERLEAVED,
     )  # fmt: skip
-    if K_QUANT:  # fold the K scale into Q before its one rounding
+    xk = norm_rope_load(
+        xk_ptr + b * stride_xkb, kv_head, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, pos,
+        stride_cos, stride_sin, HEAD, HEAD_PAD, ROT_DIM, HAS_KNORM, HAS_ROTARY, INTERLEAVED,
+    )  # fmt: skip
+    if K_QUANT:
         ks = tl.load(ks_ptr + kvh * stride_ks_h + offs_d * stride_ks_d, mask=offs_d < HEAD,
                      other=0.0)  # fmt: skip
+    x = norm_rope_math(xq[0], xq[1], xq[2], xq[3], xq[4], xq[5], eps, HEAD, HAS_QNORM,
+                       HAS_ROTARY)  # fmt: skip
+    if K_QUANT:  # fold the K scale into Q before its one rounding
         x = x * ks[None, :]
     if Q_POW2:
         x, unscale = pow2_rows(x)
     else:
         unscale = tl.full([x.shape[0]], 1.0, dtype=tl.float32)
-    return x.to(Q_DTYPE), unscale
-
-
-@triton.jit
-def fused_new_k(
-    xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, pos, kvh, stride_xkb, stride_cos,
-    stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS: tl.constexpr, HEAD: tl.constexpr,
-    HEAD_PAD: tl.constexpr, ROT_DIM: tl.constexpr, HAS_ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_KNORM: tl.constexpr, K_QUANT: tl.constexpr,
-    CACHE_DTYPE: tl.constexpr,
-):  # fmt: skip
-    """The new token's ``k [1, HEAD_PAD]`` of KV head ``kvh`` in the cache dtype: QK-norm +
-    rotary in fp32, rounded (or int8-quantized) once, as the prologue kernel stores it."""
-    offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
-    kv_head = kvh + tl.arange(0, 1)  # [1]
-    k = norm_rope_heads(
-        xk_ptr + b * stride_xkb, kv_head, KV_HEADS, kn_w_ptr, cos_ptr, sin_ptr, pos,
-        stride_cos, stride_sin, eps, HEAD=HEAD, HEAD_PAD=HEAD_PAD, ROT_DIM=ROT_DIM,
-        HAS_NORM=HAS_KNORM, HAS_ROTARY=HAS_ROTARY, INTERLEAVED=INTERLEAVED,
-    )  # fmt: skip
-    return to_cache(k, ks_ptr, kv_head, offs_d, stride_ks_h, stride_ks_d,
-                    (offs_d < HEAD)[None, :], CACHE_DTYPE, K_QUANT)  # fmt: skip
+    k = norm_rope_math(xk[0], xk[1], xk[2], xk[3], xk[4], xk[5], eps, HEAD, HAS_KNORM,
+                       HAS_ROTARY)  # fmt: skip
+    k = to_cache(k, ks_ptr, kv_head, offs_d, stride_ks_h, stride_ks_d, (offs_d < HEAD)[None, :],
+                 CACHE_DTYPE, K_QUANT)  # fmt: skip
+    return x.to(Q_DTYPE), unscale, k
 
 
 @triton.jit

@@ -24,9 +24,8 @@ import triton.language as tl
 
 from ..._triton_prologue import (
     fold_new_row,
-    fused_new_k,
     fused_new_v,
-    fused_q,
+    fused_q_k,
     new_row_logits,
     rotary_pos,
     store_new_row,
@@ -246,19 +245,15 @@ def gqa_decode_split_kernel(
             write = raw_qpos >= 0
         write = write & (raw_qpos < cap)
         rot_pos = rotary_pos(pos_ptr, b64, raw_qpos, stride_pb, max_pos, HAS_POS)
-        q, unscale = fused_q(
-            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh, n_idx, in_rows,
-            stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS, HEAD,
-            HEAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT, HAS_QSCALE, DOT_DTYPE,
+        q, unscale, k_new = fused_q_k(
+            xq_ptr, xk_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh,
+            n_idx, in_rows, stride_xqb, stride_xkb, stride_cos, stride_sin, stride_ks_h,
+            stride_ks_d, eps, NUM_HEADS, KV_HEADS, HEAD, HEAD, ROT_DIM, HAS_ROTARY, INTERLEAVED,
+            HAS_QNORM, HAS_KNORM, K_QUANT, HAS_QSCALE, DOT_DTYPE, k_ptr.dtype.element_ty,
         )  # fmt: skip
         row_scale = 1.0
         if HAS_QSCALE:
             row_scale = unscale[:, None]  # [ROWS_PAD, 1]
-        k_new = fused_new_k(
-            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh, stride_xkb,
-            stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS, HEAD, HEAD,
-            ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT, k_ptr.dtype.element_ty,
-        )  # fmt: skip
         qk_new = new_row_logits(q, k_new, DOT_DTYPE)  # [ROWS_PAD] raw dot products
         # Folded here (not read from the cache) when it is the last key the row sees; no
         # tile of any split reads it. (Metadata past max_total: the tiles read the clamped

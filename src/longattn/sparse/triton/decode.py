@@ -39,10 +39,9 @@ from ..._triton_merge import merge_splits
 from ..._triton_prologue import (
     fold_new_row,
     fuse_prologue,
-    fused_new_k,
     fused_new_v,
     fused_prologue_args,
-    fused_q,
+    fused_q_k,
     new_row_logits,
     rotary_pos,
     store_new_row,
@@ -265,15 +264,11 @@ def dsa_split_kernel(
     vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
     if FUSE_PROLOGUE:  # seq_len == 1: row == b
         rot_pos = rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS)
-        q, _ = fused_q(
-            xq_ptr, qn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, heads, mask_g,
-            stride_xqb, stride_cos, stride_sin, stride_ks_h, stride_ks_d, eps, NUM_HEADS, HEAD,
-            HEAD_PAD, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_QNORM, K_QUANT, False, Q_DTYPE,
-        )  # fmt: skip
-        k_new = fused_new_k(
-            xk_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh, stride_xkb, stride_cos,
-            stride_sin, stride_ks_h, stride_ks_d, eps, KV_HEADS, HEAD, HEAD_PAD, ROT_DIM,
-            HAS_ROTARY, INTERLEAVED, HAS_KNORM, K_QUANT, kc_ptr.dtype.element_ty,
+        q, _, k_new = fused_q_k(
+            xq_ptr, xk_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh,
+            heads, mask_g, stride_xqb, stride_xkb, stride_cos, stride_sin, stride_ks_h,
+            stride_ks_d, eps, NUM_HEADS, KV_HEADS, HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY,
+            INTERLEAVED, HAS_QNORM, HAS_KNORM, K_QUANT, False, Q_DTYPE, kc_ptr.dtype.element_ty,
         )  # fmt: skip
         s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_scale  # [G_PAD] log2 domain
         write = (qpos >= 0) & (qpos < cap) & (total_len > 0)
