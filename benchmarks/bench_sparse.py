@@ -225,26 +225,36 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _dsa_cfg(**extra):
-    """The DSA tier's default config with ``extra`` keys (options not yet a default)."""
+def _variant(dsa=None, select=None):
+    """The DSA tier's default config plus ``dsa`` keys, the select kernel's defaults plus
+    ``select`` keys (options not yet a default)."""
     from longattn.sparse.triton import decode as dsa_decode
+    from longattn.sparse.triton import select as sel_mod
 
-    orig = dsa_decode.decode_config
-    dsa_decode.decode_config = lambda *a: dict(orig(*a), **extra)
+    orig_cfg, orig_sel = dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS
+    dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
+    sel_mod.SELECT_DEFAULTS = dict(orig_sel, **(select or {}))
     try:
         yield
     finally:
-        dsa_decode.decode_config = orig
+        dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
 
 
-# FUSE_PROLOGUE A/B variants of the layer section: the split kernel does the prologue's work at
-# S = 1 (one launch fewer). The fused sm_90 build takes 195 registers at H=256 bf16 (unfused 121;
-# 42 KB of shared memory at 2 stages): 2 programs per SM; a cap of 168 keeps 3 without spills,
-# 128 keeps the unfused kernel's 4 with 56 bytes of spills outside the loop
-# (benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True --stages 2 --maxnreg N)
-_FUSED_VARIANTS = {"fused": dict(FUSE_PROLOGUE=True),
-                   "fused168": dict(FUSE_PROLOGUE=True, maxnreg=168),
-                   "fused128": dict(FUSE_PROLOGUE=True, maxnreg=128)}  # fmt: skip
+# A/B variants of the layer section (options off by default until measured):
+# - FUSE_PROLOGUE (S = 1): the DSA split kernel does the prologue's work (one launch fewer). Its
+#   sm_90 build takes 195 registers at H=256 bf16 (unfused 121; 42 KB of shared memory at 2
+#   stages): 2 programs per SM; a cap of 168 keeps 3 without spills, 128 keeps the unfused
+#   kernel's 4 with 56 bytes of spills outside the loop (benchmarks/sass.py dsa-decode --set
+#   FUSE_PROLOGUE=True --stages 2 --maxnreg N);
+# - EMIT_2D: the select kernel emits the chosen blocks' positions as one [KB_PAD, r] tile (no
+#   division and gather per position; its 1-D loop 131 -> 37 sm_90 instructions).
+_VARIANTS = {
+    "fused": (dict(FUSE_PROLOGUE=True), None),
+    "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
+    "fused128": (dict(FUSE_PROLOGUE=True, maxnreg=128), None),
+    "emit2d": (None, dict(EMIT_2D=True)),
+    "fused168_emit2d": (dict(FUSE_PROLOGUE=True, maxnreg=168), dict(EMIT_2D=True)),
+}
 
 
 def layer_section(rows, layers, copy_tbs, chains):
@@ -266,15 +276,18 @@ def layer_section(rows, layers, copy_tbs, chains):
                 c_layer = _chain_us(_layer_step_b, chain, s, t, BUDGET)
                 c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
-                fused = {}
-                for name, extra in _FUSED_VARIANTS.items() if s == 1 else ():
-                    with _dsa_cfg(**extra):
-                        fused[f"chain_layer_{name}_us"] = round(
+                variants = {}
+                for name, (dsa, sel) in _VARIANTS.items():
+                    if s != 1 and dsa:  # the fused prologue is for S = 1 only
+                        continue
+                    with _variant(dsa, sel):
+                        variants[f"chain_layer_{name}_us"] = round(
                             _chain_us(_layer_step_b, chain, s, t, BUDGET), 2
                         )
-                        fused[f"chain_dsa_{name}_us"] = round(
-                            _chain_us(_dsa_sel, chain, s, t, BUDGET), 2
-                        )
+                        if dsa:
+                            variants[f"chain_dsa_{name}_us"] = round(
+                                _chain_us(_dsa_sel, chain, s, t, BUDGET), 2
+                            )
                 r = _row("layer", layer, s, t, BUDGET, indexer_plus_dsa_us=round(t_layer, 2),
                          dsa_us=round(t_dsa, 2), indexer_us=round(t_layer - t_dsa, 2),
                          dense_gqa_us=round(t_dense, 2),
@@ -284,7 +297,7 @@ def layer_section(rows, layers, copy_tbs, chains):
                          chain_layer_us=round(c_layer, 2), chain_dsa_us=round(c_dsa, 2),
                          chain_dense_us=round(c_dense, 2),
                          chain_dense_over_sparse=round(c_dense / c_layer, 2),
-                         **fused)  # fmt: skip
+                         **variants)  # fmt: skip
                 rows.append(r)
                 print(r, flush=True)
                 del sets

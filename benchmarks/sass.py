@@ -184,7 +184,7 @@ def _presets(cache: str):
                            {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
                            dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False, RADIX_BITS=2,
-                                IDS_IN_REGS=True, IS_FIRST_PROMPT=False, PDL=False), 8, 1),
+                                IDS_IN_REGS=True, IS_FIRST_PROMPT=False, PDL=False, EMIT_R=0), 8, 1),
     }  # fmt: skip
 
 

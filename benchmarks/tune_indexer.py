@@ -93,9 +93,10 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET):
     # 16 lost to 8 at every shape in session 18, tune_select_h200.json, as did 4 radix bits),
     # bits per radix step (fewer CTA reductions, more compares each), emission tile; int32
     # count words (two fields) measured the same as int64 (four) and were dropped
-    grid = itertools.product((8,), (2, 3), (1024, 4096))
-    for nw, bits, bo in grid:
-        cfg = dict(num_warps=nw, RADIX_BITS=bits, BLOCK_O=bo)
+    # EMIT_2D: the chosen blocks' positions as one [KB_PAD, r] tile (not yet a default)
+    grid = itertools.product((8,), (2, 3), (1024, 4096), (False, True))
+    for nw, bits, bo, emit in grid:
+        cfg = dict(num_warps=nw, RADIX_BITS=bits, BLOCK_O=bo, EMIT_2D=emit)
         got = sel(base[0], seqlens, s, nb, cfg)
         same = all(torch.equal(a, b2) for a, b2 in zip(got, ref[0]))
         us = graph_bench_chain([lambda sc=sc, cfg=cfg: sel(sc, seqlens, s, nb, cfg) for sc in base],

@@ -185,3 +185,18 @@ def test_gqa_decode_fused_prologue_keeps_the_unmasked_loop(cache, block_n, stage
     assert not any(op in loop for loop in fused["loops"] for op in ("LDL", "STL")), fused["loops"]
     if cache == "bf16":
         assert fused["stack"] == 0
+
+
+@pytest.mark.parametrize("extra", ["", ",TOPK=True,NB_PAD=1024",
+                                   ",BLOCK_O=4096,IDS_IN_REGS=False,NB_PAD=4096"])  # fmt: skip
+def test_select_2d_emission_compiles_without_division(extra):
+    """EMIT_2D (``EMIT_R = r``): the select kernel compiles for sm_90 (the interpreter does not
+    check loop-carried shapes) and its remaining 1-D emission loop is a fraction of the
+    division + gather loop's instructions (37 vs 131 at BLOCK_O 1024)."""
+    old = _sass("indexer-select", "--set", "EMIT_R=0" + extra)
+    new = _sass("indexer-select", "--set", "EMIT_R=64" + extra)
+    assert new["stack"] == 0
+    assert sum(new["loops"][0].values()) * 2 < sum(old["loops"][0].values()), (
+        new["loops"][0],
+        old["loops"][0],
+    )

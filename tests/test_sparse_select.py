@@ -133,6 +133,34 @@ def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind, met
 
 
 @interpret
+@pytest.mark.parametrize("emit", [dict(EMIT_2D=True), dict(EMIT_2D=True, BLOCK_O=4096)])
+@pytest.mark.parametrize("kind", ["ties", "rand"])
+@pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
+def test_select_2d_emission_equals_reference_rule(b, s, r, budget, seqlens, first, kind, emit,
+                                                  method, monkeypatch):  # fmt: skip
+    """``EMIT_2D`` (the chosen blocks' positions as one ``[KB_PAD, r]`` tile, then 1-D tiles
+    of trailing tokens and -1): the reference rule's outputs, with the ids from registers and
+    (BLOCK_O 4096, radix) from the scratch row; rows with fewer blocks than k, k = 0, r = 1."""
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **emit))
+    gen = torch.Generator().manual_seed(len(seqlens) * 29 + s * 5 + r + budget)
+    nb = max(seqlens) // r + 2
+    scores = _scores(gen, b * s, nb, kind)
+    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
+    check_select(scores, sk, s=s, r=r, budget=budget, first=first)
+
+
+def test_select_emit_ratio():
+    """The 2-D emission applies to power-of-two ratios and tiles of <= EMIT_2D_MAX positions;
+    a non-bool EMIT_2D is an error."""
+    on = dict(EMIT_2D=True)
+    assert select.emit_ratio(on, 64, 32) == 64 and select.emit_ratio(on, 1, 2) == 1
+    assert select.emit_ratio(on, 48, 32) == 0 and select.emit_ratio({}, 64, 32) == 0
+    assert select.emit_ratio(on, 64, 512) == 0  # 32K positions
+    with pytest.raises(ValueError, match="EMIT_2D"):
+        select.select_config(dict(EMIT_2D=1), 2048, interpret=False)
+
+
+@interpret
 def test_select_never_reads_invisible_scores(method):
     """Invisible blocks' scores (NaN here, -inf from the score kernel) do not matter."""
     gen = torch.Generator().manual_seed(5)
@@ -231,6 +259,18 @@ def test_gpu_select_real_sizes(t, b, s, budget, method):
     for kind in ("rand", "ties", "nan", "equal"):
         scores = _scores(gen, b * s, nb, kind)
         check_select(scores, sk, s=s, r=r, budget=budget)
+
+
+@gpu
+@pytest.mark.parametrize("t", [65536, 262144])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 8)])
+@pytest.mark.parametrize("budget", [2048, 8192])
+def test_gpu_select_2d_emission_real_sizes(t, b, s, budget, monkeypatch):
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, EMIT_2D=True))
+    gen = torch.Generator().manual_seed(t + b + s + 1)
+    sk = torch.tensor([t - 1, t // 3][:b], dtype=torch.int32, device=DEV)
+    for kind in ("rand", "ties"):
+        check_select(_scores(gen, b * s, t // 64 + 1, kind), sk, s=s, r=64, budget=budget)
 
 
 @gpu

@@ -227,6 +227,7 @@ def indexer_select_kernel(
     IDS_IN_REGS: tl.constexpr,  # radix: emission gathers the ids from registers (else scratch)
     IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    EMIT_R: tl.constexpr = 0,  # > 0: compress_ratio (a power of two), 2-D emission (EMIT_2D)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     row = tl.program_id(0).to(tl.int64)
@@ -265,17 +266,34 @@ def indexer_select_kernel(
     tail_base = n_complete * r
     out_row = idx_ptr + row * max_selected
     j0 = tl.zeros([], tl.int32)
+    if EMIT_R > 0:  # slots [0, KB_PAD * r) as one [KB_PAD, r] tile: no division, no gather
+        # (names of their own: the loop below carries j / blk / t / val of another shape)
+        slot2 = tl.arange(0, KB_PAD)[:, None]  # [KB_PAD, 1] chosen-block slot
+        col2 = tl.arange(0, EMIT_R)[None, :]  # [1, EMIT_R] position within the block
+        if TOPK or IDS_IN_REGS:
+            blk2 = ids[:, None]  # [KB_PAD, 1]
+        else:
+            blk2 = tl.load(scratch_row + slot2, mask=slot2 < k, other=0, cache_modifier=".cg")
+        j2 = slot2 * EMIT_R + col2  # [KB_PAD, EMIT_R] output slots
+        t2 = j2 - n_sel_tok
+        val2 = tl.where(slot2 < k, blk2 * EMIT_R + col2,
+                        tl.where(t2 < trail, tail_base + t2, -1))  # fmt: skip
+        tl.store(out_row + j2, val2, mask=j2 < max_selected)
+        j0 += KB_PAD * EMIT_R  # the rest holds no chosen block: trailing tokens and -1
     while j0 < max_selected:  # a while loop: the interpreter takes no tensor range() bounds
         j = j0 + tl.arange(0, BLOCK_O)  # [BLOCK_O] output slots
-        sl = j // r
-        in_sel = j < n_sel_tok
-        if TOPK or IDS_IN_REGS:
-            blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
-        else:  # one wide tile: its scratch loads are one round trip anyway
-            blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
-                          cache_modifier=".cg")  # fmt: skip
         t = j - n_sel_tok
-        val = tl.where(in_sel, blk * r + (j - sl * r), tl.where(t < trail, tail_base + t, -1))
+        if EMIT_R > 0:  # (j >= KB_PAD * r >= n_sel_tok here: no chosen block)
+            val = tl.where(t < trail, tail_base + t, -1)
+        else:
+            sl = j // r
+            in_sel = j < n_sel_tok
+            if TOPK or IDS_IN_REGS:
+                blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
+            else:  # one wide tile: its scratch loads are one round trip anyway
+                blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
+                              cache_modifier=".cg")  # fmt: skip
+            val = tl.where(in_sel, blk * r + (j - sl * r), tl.where(t < trail, tail_base + t, -1))
         tl.store(out_row + j, val, mask=j < max_selected)
         j0 += BLOCK_O
     tl.store(cnt_ptr + row, n_sel_tok + trail)
@@ -297,7 +315,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     block_o = 256 if interpret else (4096 if nb_pad >= WIDE_EMIT_BLOCKS else 1024)
     out = dict(SELECT_DEFAULTS, BLOCK_O=block_o, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
-    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps"}
+    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D"}
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -305,7 +323,21 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     bo = out["BLOCK_O"]
     if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
+    if not isinstance(out.get("EMIT_2D", False), bool):
+        raise ValueError(f"select cfg['EMIT_2D'] must be a bool, got {out['EMIT_2D']!r}")
     return out
+
+
+EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
+
+
+def emit_ratio(cfg: dict, compress_ratio: int, kb_pad: int) -> int:
+    """``EMIT_R`` of the select launch: ``compress_ratio`` when ``cfg["EMIT_2D"]`` asks for
+    the 2-D emission and it applies (a power-of-two ratio, a ``[KB_PAD, r]`` tile of at most
+    EMIT_2D_MAX positions), else 0 (1-D tiles: a division and a gather per position)."""
+    r = compress_ratio
+    ok = cfg.get("EMIT_2D", False) and r > 0 and r & (r - 1) == 0 and kb_pad * r <= EMIT_2D_MAX
+    return r if ok else 0
 
 
 def select_num_warps(nb_pad: int) -> int:
@@ -359,6 +391,10 @@ def indexer_select(
         stride = scores.stride(0)
     topk = nb_pad <= TOPK_MAX_BLOCKS
     scratch = idx if topk else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
+    kb_pad = min(max(2, next_pow2(kb)), nb_pad)
+    tune = dict(tune)
+    emit_r = emit_ratio(tune, r, kb_pad)
+    tune.pop("EMIT_2D", None)
     indexer_select_kernel[(rows,)](
         **pdl_kwargs(seqlens_k),
         score_ptr=scores,
@@ -374,10 +410,11 @@ def indexer_select(
         scratch_stride=scratch.stride(0),
         max_selected=max_selected,
         NB_PAD=nb_pad,
-        KB_PAD=min(max(2, next_pow2(kb)), nb_pad),
+        KB_PAD=kb_pad,
         TOPK=topk,
         IDS_IN_REGS=tune["BLOCK_O"] < WIDE_EMIT_BLOCKS,
         IS_FIRST_PROMPT=is_first_prompt,
+        EMIT_R=emit_r,
         **tune,
     )
     return idx, cnt
