@@ -315,13 +315,22 @@ def fused_prologue_args(query, key, value, p, q_dtype, cache_dtype) -> dict:
         max_pos=cos.shape[0] if has_rot else 1,
         eps=p.qk_norm_epsilon,
         Q_DTYPE=TL_DTYPES[q_dtype],
-        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
+        K_QUANT=quant_k,
+        **rope_norm_flags(p),
+    )
+
+
+def rope_norm_flags(p) -> dict:
+    """The rotary / QK-norm constexprs of the prologue kernels and the fused split kernels
+    from a GQAParams / DSAParams ``p``."""
+    has_rot = p.do_rotary and p.cos_cache is not None
+    return dict(
+        ROT_DIM=2 * p.cos_cache.shape[1] if has_rot else 0,
         HAS_ROTARY=has_rot,
         INTERLEAVED=p.rotary_interleaved,
-        HAS_POS=pos is not None,
+        HAS_POS=p.position_ids is not None,
         HAS_QNORM=p.q_norm_weight is not None,
         HAS_KNORM=p.k_norm_weight is not None,
-        K_QUANT=quant_k,
     )
 
 

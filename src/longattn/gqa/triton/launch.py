@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton_merge import merge_splits
-from ..._triton_prologue import fuse_prologue, fused_prologue_args
+from ..._triton_prologue import fuse_prologue, fused_prologue_args, rope_norm_flags
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
@@ -173,12 +173,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         HEAD=h,
         HEAD_PAD=next_pow2(h),
         BLOCK_H=block_h,
-        ROT_DIM=2 * cos.shape[1] if has_rot else 0,
-        HAS_ROTARY=has_rot,
-        INTERLEAVED=p.rotary_interleaved,
-        HAS_POS=pos is not None,
-        HAS_QNORM=p.q_norm_weight is not None,
-        HAS_KNORM=p.k_norm_weight is not None,
+        **rope_norm_flags(p),
         IS_FIRST_PROMPT=p.is_first_prompt,
         K_QUANT=quant_k,
         V_QUANT=quant_v,
