@@ -257,12 +257,12 @@ _VARIANTS = {
 }
 
 
-def layer_section(rows, layers, copy_tbs, chains):
-    for b in (1, 4):
+def layer_section(rows, layers, copy_tbs, chains, grid):
+    for b in grid["B"]:
         layer = layers[(b, torch.bfloat16)]
         chain = chains[b]
-        for t in TS:
-            for s in (1, 8):
+        for t in grid["T"]:
+            for s in grid["S"]:
                 n_sets = copies_for_l2(layer.b * s * KV * (BUDGET + R) * H * 4, max_sets=8)
                 seqlens, sets = _inputs(layer, s, t, n_sets, BUDGET)
                 t_dsa = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
@@ -278,6 +278,8 @@ def layer_section(rows, layers, copy_tbs, chains):
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
                 variants = {}
                 for name, (dsa, sel) in _VARIANTS.items():
+                    if grid["variants"] is not None and name not in grid["variants"]:
+                        continue
                     if s != 1 and dsa:  # the fused prologue is for S = 1 only
                         continue
                     with _variant(dsa, sel):
@@ -429,7 +431,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--sections", default="layer,cache,eager,memory,peers")
+    ap.add_argument("--B", default="1,4", help="layer section: batch sizes")
+    ap.add_argument("--T", default=",".join(map(str, TS)), help="layer section: lengths")
+    ap.add_argument("--S", default="1,8", help="layer section: new tokens per step")
+    ap.add_argument("--variants", default=None, help="layer section: A/B variants (default all)")
     args = ap.parse_args(argv)
+    grid = {k: [int(v) for v in getattr(args, k).split(",")] for k in ("B", "T", "S")}
+    grid["variants"] = args.variants.split(",") if args.variants is not None else None
     torch.manual_seed(0)
     meta = gpu_meta()
     ceil = measure_ceilings(copy_bytes=1 << 30, gemm_n=4096)
@@ -464,7 +472,7 @@ def main(argv=None):
               for b in (1, 4)}  # fmt: skip
     t0 = time.time()
     sections = {
-        "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"], chains),
+        "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"], chains, grid),
         "cache": lambda: cache_section(rows, layers, ceil["copy_TBps"]),
         "eager": lambda: eager_section(rows, layers),
         "memory": lambda: memory_section(rows, layers),
