@@ -129,6 +129,9 @@ def _presets(cache: str):
                   "softcap_mult": "fp32", "xq_ptr": "*bf16", "xk_ptr": "*bf16", "xv_ptr": "*bf16",
                   "pos_ptr": "*i64", "eps": "fp32"}  # fmt: skip
     attn_q_dtype = tl.float16 if cache == "i8" else tl.bfloat16
+    # DSA: fp16 Q (and dots) for an fp16 cache or an int8 one (power-of-two Q rows)
+    dsa_dot = tl.float16 if cache in ("i8", "fp16") else tl.bfloat16
+    dsa_q = "fp16" if cache in ("i8", "fp16") else "bf16"
     flags = dict(IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_BIAS=False,
                  HAS_VSCALE=cache == "i8", HAS_QSCALE=cache == "i8", DOT_PREC="tf32",
                  DOT_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16,
@@ -153,18 +156,18 @@ def _presets(cache: str):
                             HAS_KNORM=False, K_QUANT=cache == "i8",
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
-                       {**{f"{n}_ptr": "*bf16" for n in ("q", "qa", "ka", "va", "xq", "xk",
-                                                         "xv")},
+                       {**{f"{n}_ptr": "*bf16" for n in ("qa", "ka", "va", "xq", "xk", "xv")},
+                        "q_ptr": f"*{dsa_q}", "qs_ptr": "*fp32",
                         "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}", "sel_ptr": "*i32",
                         "cnt_ptr": "*i32", "seqlens_ptr": "*i32", "pos_ptr": "*i64",
                         "qk_scale": "fp32", "eps": "fp32"},
                        dict(NUM_HEADS=24, KV_HEADS=4, GROUP=6, HEAD=256, HEAD_PAD=256, G_PAD=16,
                             BLOCK_N=32, IS_FIRST_PROMPT=False, HAS_WINDOW=False, SEL_AUX=False,
                             HAS_VSCALE=cache == "i8", INTERPRET=False, PDL=False,
-                            FUSE_PROLOGUE=False, Q_DTYPE=tl.bfloat16, ROT_DIM=0,
+                            FUSE_PROLOGUE=False, Q_DTYPE=dsa_dot, ROT_DIM=0,
                             HAS_ROTARY=False, INTERLEAVED=False, HAS_POS=False, HAS_QNORM=False,
-                            HAS_KNORM=False, K_QUANT=cache == "i8",
-                            **{f"{a}_{b}_{c}": (tl.bfloat16 if c == "DTYPE" else "tf32")
+                            HAS_KNORM=False, K_QUANT=cache == "i8", HAS_QSCALE=cache == "i8",
+                            **{f"{a}_{b}_{c}": (dsa_dot if c == "DTYPE" else "tf32")
                                for a in ("MAIN", "SEL") for b in ("QK", "PV")
                                for c in ("DTYPE", "PREC")}), 4, 3),
         "rms": (_rms_norm_rotary_kernel,

@@ -27,11 +27,10 @@ from longattn._attention_torch import (
     sink_logits,
 )
 from longattn._rotary import rope_cache
-from longattn._triton_utils import tma_ok
+from longattn._triton_utils import int8_to_fp16, tma_ok
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
-from longattn.gqa.triton._core import int8_to_fp16
 from longattn.gqa.triton.launch import gqa_triton
 from longattn.testing import assert_close_to_fp64, nan_tensor
 
@@ -681,7 +680,7 @@ def _convert(src_ptr, dst_ptr):
 
 @pytest.mark.interpret
 def test_int8_to_fp16_exact_for_every_byte(device):
-    """``_core.int8_to_fp16`` (xor + fp16 subtract, the int8 V path of decode) maps each of the
+    """``_triton_utils.int8_to_fp16`` (xor + fp16 subtract, the int8 V path of decode) maps each of the
     256 int8 values to the same fp16 integer as a plain cast."""
     src = torch.arange(-128, 128, dtype=torch.int16, device=device).to(torch.int8)
     dst = torch.full((256,), float("nan"), dtype=torch.float16, device=device)

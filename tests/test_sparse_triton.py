@@ -574,6 +574,41 @@ def test_dsa_triton_and_torch_prologues_agree():
     torch.testing.assert_close(a, t, rtol=2e-3, atol=2e-3)
 
 
+def _scaled_pow2_case(kw, q_pow, k_pow):
+    """The same attention with Q (and the new K) times ``2**q_pow`` / ``2**k_pow``, the K scale
+    times ``2**k_pow`` and the softmax scale divided by ``2**(q_pow + k_pow)`` (no QK-norm):
+    every logit and every cached integer are unchanged in exact arithmetic."""
+    kw = dict(kw, q_norm_weight=None, k_norm_weight=None)
+    big = dict(kw)
+    big["query"] = kw["query"] * 2.0**q_pow
+    big["key"] = kw["key"] * 2.0**k_pow
+    big["k_scale"] = kw["k_scale"] * 2.0**k_pow
+    h = kw["query"].shape[-1] // kw["num_heads"]
+    big["scale"] = h**-0.5 * 2.0 ** -(q_pow + k_pow)
+    return kw, big
+
+
+@interpret
+@pytest.mark.parametrize("variant", ["triton", "torch", "fused"])
+def test_dsa_int8_pow2_q_rows_never_overflow(variant):
+    """int8 K cache with 16-bit activations (QSA mode): the prepared Q (k_scale folded in) is
+    rounded to fp16 after a power-of-two row scaling, undone on the fp32 logits. Q times 2**12
+    and k_scale times 2**10 (folded Q ~ 1e6, far beyond fp16's 65504, an overflow without the
+    row scaling) give the unscaled case's output bit for bit (power-of-two factors are exact),
+    and both are within the fp64 tolerance."""
+    extra = dict(rotary_offset=16, h=64) if variant == "torch" else dict(h=32)
+    kw = build(77, cache_dtype=torch.int8, per_channel=True, m=24, **extra)
+    kw, big = _scaled_pow2_case(kw, 12, 10)
+    cfg = dict(FUSE_PROLOGUE=True) if variant == "fused" else {}
+    prologue = "torch" if variant == "torch" else "triton"
+    base, (bk, _) = _run_with_splits(_clone(kw), 3, prologue=prologue, **cfg)
+    got, (gk, _) = _run_with_splits(_clone(big), 3, prologue=prologue, **cfg)
+    assert torch.equal(gk, bk)  # the same integers appended
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, base, rtol=0, atol=0)
+    assert_close_to_fp64(base, truth_of(kw), lowp_dsa(kw), name="dsa triton int8 pow2")
+
+
 @interpret
 def test_dsa_query_dtype_and_fp16_value():
     kw = build(10, dtype=torch.float32, cache_dtype=torch.float16, v_dtype=torch.float16, h=32)

@@ -128,3 +128,54 @@ def wait_prior_grids(PDL: tl.constexpr):
     """First statement of a kernel launched with ``pdl_kwargs``: wait for the previous grid."""
     if PDL:
         gdc_wait()
+
+
+_INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import (int8x4_to_fp16)
+
+
+@triton.jit
+def int8_to_fp16(t):
+    """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
+    ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""
+    u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+    return u.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def int8x4_to_fp16(t):
+    """``int8_to_fp16`` four bytes at a time (PTX): one xor flips the four sign bits, two byte
+    permutes place the bytes under fp16 exponent bytes 0x64 (``1024 + t + 128``), two packed
+    fp16 subtracts remove the 1152. The interpreter runs ``int8_to_fp16`` (same values)."""
+    if _INTERPRET:
+        return int8_to_fp16(t)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, c;
+        xor.b32 u, $2, 0x80808080;
+        mov.b32 c, 0x64806480;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        constraints="=r,=r,r",
+        args=[t],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def cache_to_dot(t, DOT_DTYPE: tl.constexpr, KEYS: tl.constexpr):
+    """A cache tile ``t`` converted to the dot operand dtype (int8 -> exact integers).
+
+    int8 -> fp16 skips the I2F unit: K tiles (``KEYS``) reach their MMA operand registers four
+    bytes (consecutive channels) per register, which ``int8x4_to_fp16`` converts in 5
+    instructions; V tiles arrive one byte per register (key-major pairs), where the
+    per-element ``int8_to_fp16`` is cheaper."""
+    if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
+        if KEYS:
+            return int8x4_to_fp16(t)
+        return int8_to_fp16(t)
+    return t.to(DOT_DTYPE)

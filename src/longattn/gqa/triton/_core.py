@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._cascade import interpreter_active
+from ..._triton_utils import cache_to_dot
 
 LOG2E = 1.4426950408889634
 
@@ -179,11 +179,7 @@ def load_kv_tile(
 
     The tile's origin is one 64-bit scalar; the in-tile offsets are loop-invariant int32
     (``BLOCK_N * stride_row`` < 2**31: the host checks cache strides), which saves the
-    per-element 64-bit address math of every tile.
-
-    int8 -> fp16 (exact): K reaches its MMA operand registers four bytes (consecutive
-    channels) per register, which ``int8x4_to_fp16`` converts in 5 instructions; V arrives one
-    byte per register (key-major pairs), where ``int8_to_fp16``'s per-element form is cheaper."""
+    per-element 64-bit address math of every tile. (``cache_to_dot``)."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ptrs = (base + start_n.to(tl.int64) * stride_row) + (
         rows[:, None] * stride_row + offs_d[None, :]
@@ -192,44 +188,4 @@ def load_kv_tile(
         t = tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
-        if KEYS:
-            return int8x4_to_fp16(t)
-        return int8_to_fp16(t)
-    return t.to(DOT_DTYPE)
-
-
-_INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import
-
-
-@triton.jit
-def int8_to_fp16(t):
-    """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
-    ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""
-    u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-    return u.to(tl.float16, bitcast=True) - 1152.0
-
-
-@triton.jit
-def int8x4_to_fp16(t):
-    """``int8_to_fp16`` four bytes at a time (PTX): one xor flips the four sign bits, two byte
-    permutes place the bytes under fp16 exponent bytes 0x64 (``1024 + t + 128``), two packed
-    fp16 subtracts remove the 1152. The interpreter runs ``int8_to_fp16`` (same values)."""
-    if _INTERPRET:
-        return int8_to_fp16(t)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, c;
-        xor.b32 u, $2, 0x80808080;
-        mov.b32 c, 0x64806480;
-        prmt.b32 $0, u, 0x64646464, 0x4140;
-        prmt.b32 $1, u, 0x64646464, 0x4342;
-        sub.f16x2 $0, $0, c;
-        sub.f16x2 $1, $1, c;
-        }""",
-        constraints="=r,=r,r",
-        args=[t],
-        dtype=tl.float16,
-        is_pure=True,
-        pack=4,
-    )
+    return cache_to_dot(t, DOT_DTYPE, KEYS)

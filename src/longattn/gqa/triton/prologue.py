@@ -15,7 +15,7 @@ is multiplied by a power of two that puts its largest magnitude in ``[2**14, 2**
 its one rounding to fp16 (11 significant bits, never overflowing, and no underflow of a small
 ``q * k_scale``), and the inverse power of two goes to ``qs [B, S, N]`` fp32, which the
 attention kernels apply to the row's fp32 dot products (exact). The int8 keys then reach the
-fp16 tensor cores through an xor and one fp16 subtract (``_core.int8_to_fp16``).
+fp16 tensor cores through an xor and one fp16 subtract (``_triton_utils.int8_to_fp16``).
 """
 
 from __future__ import annotations

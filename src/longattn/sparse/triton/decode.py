@@ -21,11 +21,12 @@ HEAD]`` fp32 (normalized over the split) and ``lse_part [R, N, splits]`` (log2; 
 the sink (``head_sink`` or the ``smooth_softmax`` zero logit) enters the denominator exactly
 once; one rounding to the output dtype. A row with nothing valid gives zeros.
 
-Dot operands (see ``plan_dot_dtypes``): Q in the "Q dtype" (rounded once; an int8 K cache has
-its scale folded into Q before that rounding, so K's stored integers enter the dot exactly); a
-K tile enters the dot in Q's dtype when it has that dtype (or is int8), otherwise both are
+Dot operands: Q in the "Q dtype" (``q_dtype_for``; rounded once; an int8 K cache has its scale
+folded into Q before that rounding, so K's stored integers enter the dot exactly; in QSA mode
+with 16-bit activations that Q is fp16 with power-of-two rows, ``q_pow2``); a K tile enters the
+dot in Q's dtype when it has that dtype (or is int8: ``cache_to_dot``), otherwise both are
 upcast to fp32 (exact ``ieee`` dot). P is rounded to the V tile's 16-bit dtype for the P.V dot
-(fp32 V: exact fp32 dot; int8 V: the Q dtype, whose integers are exact).
+(fp32 V: exact fp32 dot; int8 V: fp16, whose integers are exact).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..._triton_prologue import (
 )
 from ..._triton_utils import TL_DTYPES as _TL
 from ..._triton_utils import (
+    cache_to_dot,
     cdiv,
     next_pow2,
     pdl_kwargs,
@@ -133,7 +135,9 @@ def _attend_tile(
     pos = tl.where(ok, pos, 0).to(tl.int32)
     ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
     k = tl.load(k_base + (pos[:, None] * stride_kc + offs_d[None, :]), mask=ld_mask, other=0)
-    qk = tl.dot(q.to(QK_DTYPE), tl.trans(k.to(QK_DTYPE)), input_precision=QK_PREC)
+    k = cache_to_dot(k, QK_DTYPE, True)  # [BLOCK_N, HEAD_PAD]
+    qk = tl.dot(q.to(QK_DTYPE), tl.trans(k), input_precision=QK_PREC)
+    # qk_scale: a scalar, or [G_PAD, 1] (power-of-two Q rows: each row's inverse factor)
     s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N] log2 domain
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [G_PAD]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -141,7 +145,8 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])  # [G_PAD, BLOCK_N], 0 where masked
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
-    pv = tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE), input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
+    v = cache_to_dot(v, PV_DTYPE, False)  # [BLOCK_N, HEAD_PAD]
+    pv = tl.dot(p.to(PV_DTYPE), v, input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i, n_new
 
@@ -169,6 +174,7 @@ def dsa_split_kernel(
     sin_ptr,
     pos_ptr,  # [B, 1] int64 position ids (HAS_POS)
     ks_ptr,  # k_scale fp32 [1] or [KV, 1, HEAD] (K_QUANT)
+    qs_ptr,  # [B*S, N] fp32 inverse power-of-two factors of the Q rows (HAS_QSCALE, unfused)
     seq_len,
     cap,  # C
     aux_len,  # A
@@ -235,6 +241,7 @@ def dsa_split_kernel(
     HAS_QNORM: tl.constexpr = False,
     HAS_KNORM: tl.constexpr = False,
     K_QUANT: tl.constexpr = False,
+    HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -264,19 +271,31 @@ def dsa_split_kernel(
     vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
     if FUSE_PROLOGUE:  # seq_len == 1: row == b
         rot_pos = rotary_pos(pos_ptr, b, qpos, stride_pb, max_pos, HAS_POS)
-        q, _, k_new = fused_q_k(
+        q, unscale, k_new = fused_q_k(
             xq_ptr, xk_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b, rot_pos, kvh,
             heads, mask_g, stride_xqb, stride_xkb, stride_cos, stride_sin, stride_ks_h,
             stride_ks_d, eps, NUM_HEADS, KV_HEADS, HEAD, HEAD_PAD, ROT_DIM, HAS_ROTARY,
-            INTERLEAVED, HAS_QNORM, HAS_KNORM, K_QUANT, False, Q_DTYPE, kc_ptr.dtype.element_ty,
+            INTERLEAVED, HAS_QNORM, HAS_KNORM, K_QUANT, HAS_QSCALE, Q_DTYPE,
+            kc_ptr.dtype.element_ty,
         )  # fmt: skip
-        s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_scale  # [G_PAD] log2 domain
+        row_scale = unscale  # [G_PAD] (ones without HAS_QSCALE)
         write = (qpos >= 0) & (qpos < cap) & (total_len > 0)
         new_pos = tl.where(write, qpos, -1)  # the row the new token goes to (-1: none)
     else:
         q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
+        if HAS_QSCALE:
+            row_scale = tl.load(qs_ptr + row * NUM_HEADS + heads, mask=mask_g, other=1.0)
         new_pos = -1
     n_new = tl.zeros([], dtype=tl.int32)  # candidates at new_pos (FUSE_PROLOGUE)
+    if HAS_QSCALE:  # main-cache logits: undo each Q row's power of two on the fp32 dots
+        qk_main = (qk_scale * row_scale)[:, None]  # [G_PAD, 1]
+    else:
+        qk_main = qk_scale
+    if FUSE_PROLOGUE:
+        if HAS_QSCALE:
+            s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * (qk_scale * row_scale)
+        else:
+            s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_scale  # [G_PAD] log2 domain
 
     acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -287,7 +306,7 @@ def dsa_split_kernel(
         w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
-            w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
+            w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
             FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
@@ -312,7 +331,7 @@ def dsa_split_kernel(
     else:
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
-            stride_vcc, j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_scale, new_pos,
+            stride_vcc, j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
             False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
             BLOCK_N, FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
@@ -342,16 +361,34 @@ def dsa_split_kernel(
 # Host side.
 
 
+def q_pow2(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Power-of-two Q rows: an int8 main K cache with 16-bit activations in QSA mode (selected
+    keys from the main cache) and no ``query_dtype`` asked for. Each (token, head) row of the
+    prepared Q (k_scale folded in) is multiplied by the power of two that puts its largest
+    magnitude in ``[2**14, 2**15)`` and rounded once to fp16 (11 significant bits: never an
+    overflow, no underflow of a small ``q * k_scale``, 3 bits more than bf16); the kernel undoes
+    the factor on the fp32 dot products. The int8 K tiles then enter fp16 dots through
+    ``int8x4_to_fp16`` (no I2F conversion), as the GQA tier's decode does."""
+    return (
+        cache_dtype == torch.int8
+        and act_dtype in (torch.float16, torch.bfloat16)
+        and p.query_dtype is None
+        and p.selected_kv_source == "main"
+    )
+
+
 def q_dtype_for(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
     """The dtype the prepared Q is rounded to once (and the main-cache dot dtype).
 
     ``p.query_dtype`` when given; else fp16 for bf16 activations with an fp16 cache (ORT's FP16
-    query path: both operands carry 11 significant bits); else the activation dtype (an int8
-    cache's integers are exact in it).
+    query path: both operands carry 11 significant bits) or with power-of-two Q rows
+    (``q_pow2``: int8 main K); else the activation dtype.
     """
     if p.query_dtype is not None:
         return p.query_dtype
     if act_dtype == torch.bfloat16 and cache_dtype == torch.float16:
+        return torch.float16
+    if q_pow2(p, act_dtype, cache_dtype):
         return torch.float16
     return act_dtype
 
@@ -364,12 +401,13 @@ def _qk_operands(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple:
 
 
 def _pv_operands(q_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple:
-    """(dot dtype, precision) of P.V: V's 16-bit dtype (P rounded to it); int8 V: Q's dtype if
-    16-bit; fp32 V (or fp32 Q with int8 V): exact fp32."""
+    """(dot dtype, precision) of P.V: V's 16-bit dtype (P rounded to it); int8 V with a 16-bit
+    Q: fp16 (the integers are exact, reached by ``int8_to_fp16``'s xor + subtract, and P keeps
+    3 more bits than in bf16); fp32 V (or fp32 Q with int8 V): exact fp32."""
     if v_dtype in (torch.float16, torch.bfloat16):
         return _TL[v_dtype], "tf32"
     if v_dtype == torch.int8 and q_dtype != torch.float32:
-        return _TL[q_dtype], "tf32"
+        return tl.float16, "tf32"
     return tl.float32, "ieee"
 
 
@@ -416,10 +454,12 @@ def triton_prologue_fits(p: DSAParams) -> bool:
 
 
 def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, use_triton,
-                 q_plain=None):  # fmt: skip
+                 q_plain=None, q_scale=None):  # fmt: skip
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
     ``q_plain`` (torch path only): also Q without the k_scale fold (for auxiliary keys).
+    ``q_scale [B, S, N]`` fp32 (``q_pow2``): receives each Q row's inverse power of two (the
+    rows of ``q_rot`` are scaled by it, see ``q_pow2``).
 
     ``use_triton``: the GQA tier's one-pass Triton prologue (``gqa.triton.launch.run_prologue``,
     whose contract DSAParams satisfies); else the shared torch prologue (fp32 math).
@@ -427,7 +467,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     if use_triton:
         from ...gqa.triton.launch import run_prologue as gqa_prologue
 
-        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot)
+        gqa_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
         return
 
     qf, _, _ = prepare_from_params(
@@ -441,7 +481,22 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         if ks.dim() == 2:
             ks = ks.repeat_interleave(g, 0)  # [N, H]
         qf = qf * ks
+    if q_scale is not None:
+        qf, unscale = pow2_rows_torch(qf)
+        q_scale.copy_(unscale)
     q_rot.copy_(qf)
+
+
+def pow2_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_triton_prologue.pow2_rows`` in torch, bit for bit: rows (last axis) of fp32 ``x``
+    times ``2**(14 - e)``, ``e = floor(log2(max |row|))`` clamped to ``[-112, 127]``; returns
+    ``(scaled, 2**(e - 14))``."""
+    amax = x.abs().amax(-1)
+    e = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
+    e = e.clamp(-112, 127)
+    up = ((141 - e) << 23).view(torch.float32)
+    down = ((113 + e) << 23).view(torch.float32)
+    return x * up[..., None], down
 
 
 def dsa_triton(
@@ -480,6 +535,7 @@ def dsa_triton(
     if out.numel() == 0:
         return out
     q_dtype = q_dtype_for(p, query.dtype, present_key.dtype)
+    pow2 = q_pow2(p, query.dtype, present_key.dtype)
     sel_aux = p.selected_kv_source == "auxiliary"
     # int8 main K with auxiliary keys: the aux dot needs Q without the k_scale fold (torch path)
     two_q = sel_aux and present_key.dtype == torch.int8
@@ -487,14 +543,16 @@ def dsa_triton(
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     fuse = fuse_prologue(cfg, s, use_triton)
+    q_scale = None
     if fuse:
         q_rot = q_plain = None
         fused = fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
     else:
         q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
         q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
+        q_scale = _empty((b, s, n), dtype=torch.float32, device=dev) if pow2 else None
         run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                     use_triton, q_plain)  # fmt: skip
+                     use_triton, q_plain, q_scale)  # fmt: skip
         fused = fused_prologue_args(None, None, None, p, q_dtype, present_key.dtype)
     m_sel = selected_indices.shape[1]
     window = p.local_window_size if p.local else 0
@@ -527,6 +585,7 @@ def dsa_triton(
         cnt_ptr=selected_counts,
         seqlens_ptr=seqlens_k,
         vs_ptr=p.v_scale if quant_v else q_any,
+        qs_ptr=q_scale if q_scale is not None else q_any,
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
         seq_len=s,
@@ -574,6 +633,7 @@ def dsa_triton(
         SEL_PV_DTYPE=sel_pv[0],
         SEL_PV_PREC=sel_pv[1],
         INTERPRET=_interpret(),
+        HAS_QSCALE=pow2,
         **fused,
         **cfg,
     )
