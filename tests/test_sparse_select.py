@@ -365,6 +365,11 @@ def test_select_config_defaults():
     assert select.select_config(None, 2048, interpret=False) == dict(
         select.SELECT_DEFAULTS, BLOCK_O=1024, num_warps=select.select_num_warps(2048)
     )
-    assert select.select_config(None, 4096, interpret=False)["BLOCK_O"] == 4096
+    assert select.SELECT_DEFAULTS["EMIT_2D"] is True
+    # the 2-D emission leaves only the tail to 1-D tiles: 1024 wide at every size
+    assert select.select_config(None, 4096, interpret=False)["BLOCK_O"] == 1024
+    wide = select.select_config(dict(EMIT_2D=False), 4096, interpret=False)
+    assert wide["BLOCK_O"] == 4096
+    assert select.select_config(dict(EMIT_2D=False), 2048, interpret=False)["BLOCK_O"] == 1024
     assert select.select_config(None, 4096, interpret=True)["BLOCK_O"] == 256
     assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2

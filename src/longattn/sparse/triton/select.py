@@ -299,22 +299,26 @@ def indexer_select_kernel(
     tl.store(cnt_ptr + row, n_sel_tok + trail)
 
 
-# Defaults of ``indexer_select``'s ``cfg`` (H200 sweeps, ``benchmarks/tune_indexer.py``,
-# ``benchmarks/results/tune_select_h200.json``: 2 bits beat 3 and 4 at every shape; BLOCK_O
-# 4096 pays from 4096 blocks on, see select_config)
-SELECT_DEFAULTS = dict(RADIX_BITS=2)
+# Defaults of ``indexer_select``'s ``cfg`` (``benchmarks/tune_indexer.py``): 2 radix bits beat
+# 3 and 4 at every shape (H200, ``tune_select_h200.json``); EMIT_2D with 1024-wide tail tiles
+# beat the 1-D emission at all 6 shapes (H100 session 21: B=1 S=1 T=128K 5.62 -> 5.29 us, 256K
+# 7.64 (4096-wide 1-D) -> 7.53; ``tune_select_emit2d_h100.json``)
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
 def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     """The select launch's tunables: ``RADIX_BITS`` (2, 3 or 4 bits per radix step),
-    ``BLOCK_O`` (output positions per emission tile, a power of two >= 16; 4096 from
-    ``WIDE_EMIT_BLOCKS`` blocks on: one tile issues every scratch load at once; H200: -4 to
-    -10% at 256K tokens, +16% at 128K with budget 8192) and ``num_warps``;
-    ``cfg`` overrides the defaults (``SELECT_DEFAULTS``, ``select_num_warps``)."""
-    block_o = 256 if interpret else (4096 if nb_pad >= WIDE_EMIT_BLOCKS else 1024)
-    out = dict(SELECT_DEFAULTS, BLOCK_O=block_o, num_warps=select_num_warps(nb_pad))
+    ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
+    (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
+    ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
+    H200: -4 to -10% at 256K tokens) and ``num_warps``; ``cfg`` overrides the defaults
+    (``SELECT_DEFAULTS``, ``select_num_warps``)."""
+    out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
+    if "BLOCK_O" not in out:
+        wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
+        out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D"}
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
