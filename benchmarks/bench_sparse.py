@@ -257,6 +257,12 @@ _VARIANTS = {
 }
 
 
+# A/B variants of the cache section's int8 rows: the int8 split kernel takes 226 registers at
+# H=256 (2 programs per SM; bf16: 126, 4); a cap of 168 keeps 3 without spills (loop 960 ->
+# 1072 sm_90 instructions), 128 keeps 4 with 72 bytes of spills outside the loop
+_CACHE_VARIANTS = {"maxnreg168": dict(maxnreg=168), "maxnreg128": dict(maxnreg=128)}
+
+
 def layer_section(rows, layers, copy_tbs, chains, grid):
     for b in grid["B"]:
         layer = layers[(b, torch.bfloat16)]
@@ -325,6 +331,10 @@ def cache_section(rows, layers, copy_tbs):
                     r = _row("cache", layer, s, t, budget, dsa_us=round(us, 2),
                              vs_bf16=round(us / base[key], 3), dsa_MB=round(nbytes / 1e6, 2),
                              dsa_TBps=round(tbs, 3), dsa_vs_copy_BW=round(tbs / copy_tbs, 3))  # fmt: skip
+                    for name, dsa in _CACHE_VARIANTS.items() if dt == torch.int8 else ():
+                        with _variant(dsa):
+                            v_us = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
+                        r[f"dsa_{name}_us"] = round(v_us, 2)
                     rows.append(r)
                     print(r, flush=True)
 
