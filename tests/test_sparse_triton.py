@@ -218,9 +218,19 @@ def truth_of(kw):
     return run(to_fp64(kw), backend="reference")[0]
 
 
+def _round_fp16_rows(x):
+    """Rows (last axis) of fp32 ``x`` rounded to fp16's 11 significant bits after a
+    power-of-two scaling of each row (no overflow, no underflow), scaled back."""
+    amax = x.abs().amax(-1, keepdim=True)
+    e = torch.frexp(amax)[1] - 1  # floor(log2(amax)) for amax > 0
+    f = torch.ldexp(torch.ones_like(amax), 14 - e)
+    return (x * f).to(torch.float16).float() / f
+
+
 def lowp_dsa(kw, q_dtype=None):
-    """Same-precision baseline: fp32 prologue, Q rounded once, fp32 softmax, P rounded to the
-    V dtype (int8 V: Q's dtype), fp32 P.V. Independent of the tier's kernels."""
+    """Same-precision baseline: fp32 prologue, Q rounded once (an int8 main cache with 16-bit
+    activations in QSA mode: to fp16 with power-of-two rows), fp32 softmax, P rounded to the
+    V dtype (int8 V: fp16, fp32 for an fp32 Q), fp32 P.V. Independent of the tier's kernels."""
     kw = _clone(kw)
     q_in = kw["query"]
     b, s, _ = q_in.shape
@@ -230,6 +240,7 @@ def lowp_dsa(kw, q_dtype=None):
     t_max = kw["total_sequence_length"]
     first = s == t_max
     cache_dtype = kw["past_key"].dtype if "past_key" in kw else kw["kv_cache_dtype"]
+    explicit_q = q_dtype is not None
     q_dtype = q_dtype or (
         torch.float16
         if (q_in.dtype, cache_dtype) == (torch.bfloat16, torch.float16)
@@ -249,8 +260,11 @@ def lowp_dsa(kw, q_dtype=None):
         q_norm_weight=kw["q_norm_weight"], k_norm_weight=kw["k_norm_weight"],
         k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"),
     )  # fmt: skip
-    qr = qf.to(q_dtype).float().reshape(b * s, kv, g, h)
     local = kw["attention_mode"] == "local_plus_selected"
+    pow2 = (cache_dtype == torch.int8 and q_in.dtype != torch.float32 and not local
+            and not explicit_q)  # fmt: skip
+    qr = _round_fp16_rows(qf) if pow2 else qf.to(q_dtype).float()
+    qr = qr.reshape(b * s, kv, g, h)
     aux_k = kw.get("auxiliary_key")
     aux_v = aux_k if kw.get("auxiliary_kv_shared") else kw.get("auxiliary_value")
     segs = dsa_candidates(
@@ -267,7 +281,9 @@ def lowp_dsa(kw, q_dtype=None):
         kr = from_cache(gather_rows(kc, rows_b, seg.pos), kw.get("k_scale") if main else None,
                         kv_axis=-2)  # fmt: skip
         vr = gather_rows(vc, rows_b, seg.pos)
-        v_dt = q_dtype if vr.dtype == torch.int8 else vr.dtype
+        v_dt = vr.dtype
+        if vr.dtype == torch.int8:
+            v_dt = torch.float32 if q_dtype == torch.float32 else torch.float16
         vr = from_cache(vr, kw.get("v_scale") if main else None, kv_axis=-2)
         vr = torch.where(seg.ok[:, :, None, None], vr, 0.0)
         xs.append(torch.einsum("rkgh,rlkh->rkgl", qr, kr) / math.sqrt(h))
@@ -812,6 +828,21 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
     )  # fmt: skip
     out, _, _ = check_dsa(kw)
     assert torch.isfinite(out).all()
+
+
+@gpu
+@pytest.mark.parametrize("maxnreg", [168, 128])
+@pytest.mark.parametrize("s", [1, 8])
+def test_gpu_dsa_int8_register_caps(maxnreg, s):
+    """The int8 split kernel (fp16 power-of-two Q rows, bf16 activations, H=256) under the
+    register caps that bench_sparse's cache section A/Bs: within the fp64 tolerance, and
+    within two output roundings of the uncapped kernel."""
+    kw = build(31 + s, device="cuda", b=2, s=s, h=256, n=24, kv=4, past=(9000, 70000),
+               m=2111, dtype=torch.bfloat16, cache_dtype=torch.int8, per_channel=True)  # fmt: skip
+    base, _ = _run_with_splits(_clone(kw), None)
+    got, _ = _run_with_splits(_clone(kw), None, maxnreg=maxnreg)
+    _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton int8 capped")
 
 
 @gpu
