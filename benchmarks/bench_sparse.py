@@ -257,10 +257,15 @@ _VARIANTS = {
 }
 
 
-# A/B variants of the cache section's int8 rows: the int8 split kernel takes 226 registers at
-# H=256 (2 programs per SM; bf16: 126, 4); a cap of 168 keeps 3 without spills (loop 960 ->
-# 1072 sm_90 instructions), 128 keeps 4 with 72 bytes of spills outside the loop
-_CACHE_VARIANTS = {"maxnreg168": dict(maxnreg=168), "maxnreg128": dict(maxnreg=128)}
+# A/B variants of the cache section's int8 rows (sm_90 builds at H=256, bf16 activations): the
+# default int8 split kernel (BLOCK_N 32, 2 stages) takes 209 registers, 2 programs per SM (bf16:
+# 121, 4); a cap of 168 keeps 3 with 40 bytes of spills; BLOCK_N 16 at 3 stages takes 140
+# registers (3 per SM, no spills) and with a cap of 128 none spill either (4 per SM)
+_CACHE_VARIANTS = {
+    "maxnreg168": dict(maxnreg=168),
+    "n16s3": dict(BLOCK_N=16, num_stages=3),
+    "n16s3r128": dict(BLOCK_N=16, num_stages=3, maxnreg=128),
+}
 
 
 def layer_section(rows, layers, copy_tbs, chains, grid):

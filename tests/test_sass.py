@@ -167,6 +167,22 @@ def test_dsa_fused_prologue_loop_costs_one_compare_per_candidate():
     assert not any(op in loop_c for op in ("LDL", "STL", "LDL.LU")), loop_c
 
 
+def test_dsa_int8_loop_takes_fp16_operands_and_the_small_tile_fits_128_registers():
+    """int8 main cache, H=256, group 6, bf16 activations (the preset's fp16 power-of-two Q
+    rows): the default build (BLOCK_N 32, 2 stages) converts K and V to fp16 operands in a loop
+    of <= 1000 instructions (the bf16-operand conversions took 1098) without local memory; the
+    BLOCK_N 16 / 3-stage build that bench_sparse's cache section A/Bs fits 128 registers (4
+    programs per SM, as the bf16 kernel) without spilling."""
+    base = _sass("dsa-decode", "--cache", "i8", "--stages", "2")
+    (loop,) = base["loops"]
+    assert sum(loop.values()) <= 1000, loop
+    assert not any(op.startswith("I2F") for op in loop), loop
+    assert base["stack"] == 0
+    small = _sass("dsa-decode", "--cache", "i8", "--stages", "3", "--set", "BLOCK_N=16",
+                  "--maxnreg", "128")  # fmt: skip
+    assert small["regs"] <= 128 and small["stack"] == 0, (small["regs"], small["stack"])
+
+
 @pytest.mark.parametrize("cache,block_n,stages", [("bf16", 64, 4), ("i8", 128, 3)])
 def test_gqa_decode_fused_prologue_keeps_the_unmasked_loop(cache, block_n, stages):
     """FUSE_PROLOGUE of the GQA decode kernel (H=128, the default tiles): the unmasked tile

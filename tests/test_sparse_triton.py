@@ -831,16 +831,23 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
 
 
 @gpu
-@pytest.mark.parametrize("maxnreg", [168, 128])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(maxnreg=168),
+        dict(BLOCK_N=16, num_stages=3),
+        dict(BLOCK_N=16, num_stages=3, maxnreg=128),
+    ],
+)
 @pytest.mark.parametrize("s", [1, 8])
-def test_gpu_dsa_int8_register_caps(maxnreg, s):
-    """The int8 split kernel (fp16 power-of-two Q rows, bf16 activations, H=256) under the
-    register caps that bench_sparse's cache section A/Bs: within the fp64 tolerance, and
-    within two output roundings of the uncapped kernel."""
+def test_gpu_dsa_int8_register_caps(cfg, s):
+    """The int8 split kernel (fp16 power-of-two Q rows, bf16 activations, H=256) in the
+    configs that bench_sparse's cache section A/Bs (register caps, smaller tiles): within the
+    fp64 tolerance, and within two output roundings of the default config."""
     kw = build(31 + s, device="cuda", b=2, s=s, h=256, n=24, kv=4, past=(9000, 70000),
                m=2111, dtype=torch.bfloat16, cache_dtype=torch.int8, per_channel=True)  # fmt: skip
     base, _ = _run_with_splits(_clone(kw), None)
-    got, _ = _run_with_splits(_clone(kw), None, maxnreg=maxnreg)
+    got, _ = _run_with_splits(_clone(kw), None, **cfg)
     _assert_within_roundings(got, base, 2)
     assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton int8 capped")
 
