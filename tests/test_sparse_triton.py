@@ -347,8 +347,11 @@ def test_dsa_vs_fp64(h, group, s, mode, dtype, cache_dtype, sink, per_channel):
 
 
 @interpret
-def test_dsa_first_prompt_padding_rows():
-    kw = build(1, s=7, first_prompt=True, m=10, h=32)
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_dsa_first_prompt_padding_rows(cache_dtype):
+    """Padding rows give zeros and write nothing (int8: the power-of-two Q row factors of
+    the NaN-poisoned scratch are read only for real rows)."""
+    kw = build(1, s=7, first_prompt=True, m=10, h=32, cache_dtype=cache_dtype)
     out, pk, _ = check_dsa(kw)
     assert torch.equal(out[1, 5:], torch.zeros_like(out[1, 5:]))  # padding rows: zeros
     assert torch.equal(pk[1, :, 5:], torch.zeros_like(pk[1, :, 5:]))  # and nothing written
