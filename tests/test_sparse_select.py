@@ -265,8 +265,10 @@ def test_gpu_select_real_sizes(t, b, s, budget, method):
 @pytest.mark.parametrize("t", [65536, 262144])
 @pytest.mark.parametrize("b,s", [(1, 1), (2, 8)])
 @pytest.mark.parametrize("budget", [2048, 8192])
-def test_gpu_select_2d_emission_real_sizes(t, b, s, budget, monkeypatch):
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, EMIT_2D=True))
+def test_gpu_select_1d_emission_real_sizes(t, b, s, budget, monkeypatch):
+    """The 1-D emission (EMIT_2D off, no longer the default; 4096-wide tiles from 4096 blocks
+    on) still matches the reference rule."""
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, EMIT_2D=False))
     gen = torch.Generator().manual_seed(t + b + s + 1)
     sk = torch.tensor([t - 1, t // 3][:b], dtype=torch.int32, device=DEV)
     for kind in ("rand", "ties"):
