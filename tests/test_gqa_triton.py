@@ -680,8 +680,8 @@ def _convert(src_ptr, dst_ptr):
 
 @pytest.mark.interpret
 def test_int8_to_fp16_exact_for_every_byte(device):
-    """``_triton_utils.int8_to_fp16`` (xor + fp16 subtract, the int8 V path of decode) maps each of the
-    256 int8 values to the same fp16 integer as a plain cast."""
+    """``_triton_utils.int8_to_fp16`` (xor + fp16 subtract, the int8 V path of decode) maps each
+    of the 256 int8 values to the same fp16 integer as a plain cast."""
     src = torch.arange(-128, 128, dtype=torch.int16, device=device).to(torch.int8)
     dst = torch.full((256,), float("nan"), dtype=torch.float16, device=device)
     _convert[(1,)](src, dst)

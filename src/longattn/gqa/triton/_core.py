@@ -179,7 +179,8 @@ def load_kv_tile(
 
     The tile's origin is one 64-bit scalar; the in-tile offsets are loop-invariant int32
     (``BLOCK_N * stride_row`` < 2**31: the host checks cache strides), which saves the
-    per-element 64-bit address math of every tile. (``cache_to_dot``)."""
+    per-element 64-bit address math of every tile. int8 reaches fp16 through the xor tricks of
+    ``_triton_utils.cache_to_dot``."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ptrs = (base + start_n.to(tl.int64) * stride_row) + (
         rows[:, None] * stride_row + offs_d[None, :]

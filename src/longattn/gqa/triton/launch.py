@@ -42,9 +42,9 @@ def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dty
 def pv_dtype_for(dot_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
     """V operand dtype of the decode P.V dot: the dot dtype, except int8 V with a 16-bit dot,
     which enters as fp16. Its integers are exact in fp16 and reach it through an integer xor +
-    one fp16 subtract (``_triton_utils.int8_to_fp16``: fewer instructions than the bf16 conversion, and
-    the decode loop of an int8 cache is instruction-issue bound); P rounded to fp16 carries 3
-    more mantissa bits than bf16."""
+    one fp16 subtract (``_triton_utils.int8_to_fp16``: fewer instructions than the bf16
+    conversion, and the decode loop of an int8 cache is instruction-issue bound); P rounded to
+    fp16 carries 3 more mantissa bits than bf16."""
     if cache_dtype == torch.int8 and dot_dtype in (torch.float16, torch.bfloat16):
         return torch.float16
     return dot_dtype

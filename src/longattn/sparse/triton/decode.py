@@ -288,14 +288,13 @@ def dsa_split_kernel(
         new_pos = -1
     n_new = tl.zeros([], dtype=tl.int32)  # candidates at new_pos (FUSE_PROLOGUE)
     if HAS_QSCALE:  # main-cache logits: undo each Q row's power of two on the fp32 dots
-        qk_main = (qk_scale * row_scale)[:, None]  # [G_PAD, 1]
+        qk_row = qk_scale * row_scale  # [G_PAD]
+        qk_main = qk_row[:, None]  # [G_PAD, 1]
     else:
+        qk_row = qk_scale
         qk_main = qk_scale
     if FUSE_PROLOGUE:
-        if HAS_QSCALE:
-            s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * (qk_scale * row_scale)
-        else:
-            s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_scale  # [G_PAD] log2 domain
+        s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_row  # [G_PAD] log2 domain
 
     acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
