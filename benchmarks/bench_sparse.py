@@ -260,11 +260,16 @@ _VARIANTS = {
 # A/B variants of the cache section's int8 rows (sm_90 builds at H=256, bf16 activations): the
 # default int8 split kernel (BLOCK_N 32, 2 stages) takes 209 registers, 2 programs per SM (bf16:
 # 121, 4); a cap of 168 keeps 3 with 40 bytes of spills; BLOCK_N 16 at 3 stages takes 140
-# registers (3 per SM, no spills) and with a cap of 128 none spill either (4 per SM)
+# registers (3 per SM, no spills) and with a cap of 128 none spill either (4 per SM).
+# SM_PROGRAMS caps the split plan at one wave of that many programs per SM (the plan's rule
+# asks for 4 per SM at <= 16 (row, KV head) pairs: two waves of a 2-per-SM build)
 _CACHE_VARIANTS = {
     "maxnreg168": dict(maxnreg=168),
     "n16s3": dict(BLOCK_N=16, num_stages=3),
     "n16s3r128": dict(BLOCK_N=16, num_stages=3, maxnreg=128),
+    "sm2": dict(SM_PROGRAMS=2),
+    "n16s3sm3": dict(BLOCK_N=16, num_stages=3, SM_PROGRAMS=3),
+    "maxnreg168sm3": dict(maxnreg=168, SM_PROGRAMS=3),
 }
 
 

@@ -408,6 +408,28 @@ def test_dsa_split_counts_agree(num_splits):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize(
+    "rows,window,max_sel,block_n,sm_programs",
+    [(1, 0, 8255, 32, 2), (8, 0, 8255, 32, 2), (4, 0, 2111, 16, 3), (1, 128, 2111, 32, 2),
+     (64, 0, 2111, 32, 2), (1, 0, 8255, 32, None)],
+)  # fmt: skip
+def test_plan_splits_wave_cap(rows, window, max_sel, block_n, sm_programs):
+    """``SM_PROGRAMS`` caps the grid at one wave of that many programs per SM (or one split
+    per pair when even that does not fit); every candidate still lands in a split."""
+    kv, sms = 4, 132
+    chunk, win, sel = decode.plan_splits(rows, kv, window, max_sel, block_n, sms, None,
+                                         sm_programs)  # fmt: skip
+    assert chunk % block_n == 0 and win * chunk >= window and sel * chunk >= max_sel
+    assert win + sel <= decode.MAX_SPLITS
+    programs = rows * kv * (win + sel)
+    if sm_programs is None:
+        assert programs > 2 * sms  # the uncapped rule asks for 4 per SM at <= 16 pairs
+    else:
+        assert programs <= max(sm_programs * sms, rows * kv * (1 + (window > 0)))
+        uncapped = decode.plan_splits(rows, kv, window, max_sel, block_n, sms)
+        assert win + sel <= sum(uncapped[1:])
+
+
 @interpret
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize(
@@ -840,6 +862,8 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
         dict(maxnreg=168),
         dict(BLOCK_N=16, num_stages=3),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128),
+        dict(SM_PROGRAMS=2),
+        dict(BLOCK_N=16, num_stages=3, SM_PROGRAMS=3),
     ],
 )
 @pytest.mark.parametrize("s", [1, 8])

@@ -427,19 +427,25 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
 
 
 def plan_splits(
-    rows: int, kv: int, window: int, max_sel: int, block_n: int, num_sms: int, num_splits=None
-) -> tuple[int, int, int]:
+    rows: int, kv: int, window: int, max_sel: int, block_n: int, num_sms: int, num_splits=None,
+    sm_programs: int | None = None,
+) -> tuple[int, int, int]:  # fmt: skip
     """``(chunk, win_splits, sel_splits)`` from host-known sizes only (no sync).
 
     ``rows * kv * (win_splits + sel_splits)`` programs should fill the SMs about twice, four
     times when there are at most 16 (row, KV head) pairs (H200, B=4 S=1 T=128K: 33 splits
     22.8 us vs 17 splits 25.3 us; at B=4 S=8 more splits are slower); each split at least one
-    tile of ``block_n`` candidates; at most ``MAX_SPLITS`` in all. ``num_splits`` (tuning hook)
-    asks for about that many splits in all.
+    tile of ``block_n`` candidates; at most ``MAX_SPLITS`` in all. ``sm_programs`` (the
+    config's ``SM_PROGRAMS``: programs of its build resident per SM, None: no cap) caps the
+    grid at one wave of them (an int8 build at 209 registers holds 2 per SM, so the bf16
+    rule's four per SM would run two waves). ``num_splits`` (tuning hook) asks for about that
+    many splits in all.
     """
     cand = max(window, 0) + max_sel
     pairs = max(rows * kv, 1)
     want = num_splits or cdiv((4 if pairs <= 16 else 2) * num_sms, pairs)
+    if sm_programs and not num_splits:
+        want = min(want, max(1, sm_programs * num_sms // pairs))
     want = max(1, min(want, MAX_SPLITS - 1))
     chunk = max(block_n, cdiv(cdiv(max(cand, 1), want), block_n) * block_n)
     win = cdiv(window, chunk) if window > 0 else 0
@@ -522,7 +528,7 @@ def dsa_triton(
     ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
-    num_stages / FUSE_PROLOGUE), ``num_splits`` and ``prologue`` ("triton" | "torch") are
+    num_stages / FUSE_PROLOGUE / SM_PROGRAMS, see ``plan_splits``), ``num_splits`` and ``prologue`` ("triton" | "torch") are
     tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel
     does the prologue's work itself (one launch fewer).
     """
@@ -541,6 +547,7 @@ def dsa_triton(
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
+    sm_programs = cfg.pop("SM_PROGRAMS", None)  # host-side: the split plan's wave cap
     fuse = fuse_prologue(cfg, s, use_triton)
     q_scale = None
     if fuse:
@@ -557,7 +564,7 @@ def dsa_triton(
     window = p.local_window_size if p.local else 0
     dev_index = dev.index if dev.type == "cuda" else 0
     chunk, win_splits, sel_splits = plan_splits(
-        rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits
+        rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
