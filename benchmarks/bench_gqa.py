@@ -266,6 +266,13 @@ def _fused_cfg(cache_dtype):
     return dict(launch.decode_config(128, dot, cache_dtype, False), FUSE_PROLOGUE=True)
 
 
+def _merge_cfg(cache_dtype):
+    """The default decode config plus FUSE_MERGE (S = 1: the last split program of each KV
+    head merges, one launch fewer; an A/B variant, not the default yet)."""
+    dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
+    return dict(launch.decode_config(128, dot, cache_dtype, False), FUSE_MERGE=True)
+
+
 def _decode_set_count(b, t, itemsize):
     return copies_for_l2(2 * b * KV * t * 128 * itemsize, min_sets=1, max_sets=8)
 
@@ -299,6 +306,11 @@ def decode(rows, best, copy_tbs):
             row["fused_graph_pct_of_copy_bw"] = (
                 100 * nbytes / (f_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if f_us else None
             )
+            m_us = _graph_time_or_none(_decode_fn(p, _merge_cfg(torch.bfloat16)), sets)
+            row["ours_merge_graph_us"] = m_us
+            row["merge_graph_pct_of_copy_bw"] = (
+                100 * nbytes / (m_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if m_us else None
+            )
             print(f"  {row}", flush=True)
             rows.append(row)
             del sets, q_sets
@@ -323,6 +335,10 @@ def cache_dtypes(rows, copy_tbs):
             row["ours_fused_graph_us"] = res[f"{name}_fused"] = fused
             if res.get("bf16_fused") and fused:
                 row["fused_speedup_vs_bf16_fused"] = res["bf16_fused"] / fused
+            merged = _graph_time_or_none(_decode_fn(p, _merge_cfg(dt)), sets)
+            row["ours_merge_graph_us"] = res[f"{name}_merge"] = merged
+            if res.get("bf16_merge") and merged:
+                row["merge_speedup_vs_bf16_merge"] = res["bf16_merge"] / merged
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes

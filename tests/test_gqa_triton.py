@@ -384,6 +384,75 @@ def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
         )
 
 
+def _merge_decode_config(monkeypatch):
+    orig = launch.decode_config
+    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), FUSE_MERGE=True))
+
+
+def _count_merge_launches(monkeypatch) -> list:
+    calls = []
+    orig = launch.merge_splits
+    monkeypatch.setattr(launch, "merge_splits", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return calls
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_decode_fused_merge_interpret(name, device, monkeypatch):
+    """``FUSE_MERGE`` (S = 1: the last split program of each KV head merges the group's rows;
+    tickets zeroed by the prologue, poisoned buffers): no merge launch, within the fp64
+    tolerance, the reference's caches, and within two output roundings of the merge kernel."""
+    c = FUSED_CASES[name]
+    base = _run_and_check(c, device)
+    calls = _count_merge_launches(monkeypatch)
+    _merge_decode_config(monkeypatch)
+    got = _run_and_check(c, device)
+    assert calls == [], "the fused merge launched the merge kernel"
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
+
+
+@pytest.mark.interpret
+def test_decode_fused_merge_falls_back(device, monkeypatch):
+    """S > 1, a merge tile too large for one program (group 16 x 64 splits > 512 rows) and the
+    fused prologue (no prologue kernel zeroes tickets) keep the merge kernel; a non-bool
+    FUSE_MERGE is a ValueError."""
+    calls = _count_merge_launches(monkeypatch)
+    _merge_decode_config(monkeypatch)
+    _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
+    assert calls == [1]
+    big = Case(
+        b=1, s=1, lens=(1100,), first_prompt=False, n=16, kv=1, rotary=None, num_splits=64
+    )  # fmt: skip  (64 splits of one 16-key tile + a last one)
+    _run_and_check(big, device)
+    assert calls == [1, 1]
+    fits = Case(b=1, s=1, lens=(130,), first_prompt=False, n=16, kv=1, rotary=None,
+                num_splits=8)  # fmt: skip
+    _run_and_check(fits, device)
+    assert calls == [1, 1]
+    orig = launch.decode_config
+    monkeypatch.setattr(launch, "decode_config",
+                        lambda *a: dict(orig(*a), FUSE_MERGE=True, FUSE_PROLOGUE=True))  # fmt: skip
+    _run_and_check(FUSED_CASES["one-split-fp32-window-qknorm"], device)
+    assert calls == [1, 1, 1]
+    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["ragged-splits4-group4"], device)
+    cfg = dict(orig(p.head_size, query.dtype, pk.dtype, True), FUSE_MERGE=1)
+    with pytest.raises(ValueError, match="FUSE_MERGE"):
+        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
+
+
+def test_fused_merge_shape():
+    from longattn._triton_merge import MERGE_TILE, fused_merge_shape
+
+    assert fused_merge_shape(4, 16, 128) == dict(R_PAD=4, SPLITS_PAD=16, BLOCK_D=128)
+    assert fused_merge_shape(4, 32, 128) == dict(R_PAD=4, SPLITS_PAD=32, BLOCK_D=64)
+    assert fused_merge_shape(6, 33, 256) == dict(R_PAD=8, SPLITS_PAD=64, BLOCK_D=16)
+    assert fused_merge_shape(16, 64, 128) is None
+    for rows, splits in ((1, 1), (3, 100), (16, 32)):
+        m = fused_merge_shape(rows, splits, 256)
+        assert m["R_PAD"] * m["SPLITS_PAD"] * m["BLOCK_D"] <= MERGE_TILE
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["causal-past", "window-softcap", "sink-bias-full",
                                   "first-bias-batch-qknorm"])  # fmt: skip
@@ -623,12 +692,30 @@ def test_decode_fused_prologue_gpu(name, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
+def test_decode_fused_merge_gpu(name, device, monkeypatch):
+    """FUSE_MERGE on real shapes: no merge launch, fp64 tolerance, the reference's caches, and
+    within two output roundings of the merge kernel."""
+    c = GPU_CASES[name]
+    base = _run_and_check(c, device)
+    calls = _count_merge_launches(monkeypatch)
+    _merge_decode_config(monkeypatch)
+    got = _run_and_check(c, device)
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
+    assert calls == [] or c.num_splits, "the fused merge launched the merge kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True, "merge"])
 def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
-    without it bit for bit (also with the fused prologue)."""
-    if fused:
+    without it bit for bit (also with the fused prologue, and with the fused merge: its
+    tickets, zeroed by the prologue each replay, pick a different last program per replay)."""
+    if fused == "merge":
+        _merge_decode_config(monkeypatch)
+    elif fused:
         _fused_decode_config(monkeypatch)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16)  # fmt: skip
@@ -643,9 +730,11 @@ def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gqa_triton(query, key, value, pk2, pv2, seqlens, p)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
     torch.testing.assert_close(pk2, pk1, atol=0, rtol=0, equal_nan=True)
 
 
