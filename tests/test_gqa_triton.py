@@ -333,38 +333,60 @@ FUSED_CASES = {
 }  # fmt: skip
 
 
-def _fused_decode_config(monkeypatch, **extra):
+def _assert_within_two_roundings(got, base):
+    """A fused variant's output is within two output roundings of the unfused tier's."""
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
+
+
+def _decode_cfg_with(monkeypatch, **extra):
+    """The tier's decode config plus ``extra`` keys, for every call of this test."""
     orig = launch.decode_config
-    monkeypatch.setattr(launch, "decode_config",
-                        lambda *a: dict(orig(*a), FUSE_PROLOGUE=True, **extra))  # fmt: skip
+    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), **extra))
+
+
+def _fused_decode_config(monkeypatch, **extra):
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=True, **extra)
+
+
+def _count_calls(monkeypatch, name: str) -> list:
+    """A list that grows by one item per call of ``launch.<name>``."""
+    calls = []
+    orig = getattr(launch, name)
+    monkeypatch.setattr(launch, name, lambda *a, **k: calls.append(1) or orig(*a, **k))
+    return calls
+
+
+# decode options that fuse a launch away: (config key, the launcher it makes unnecessary)
+FUSED_OPTIONS = {"prologue": ("FUSE_PROLOGUE", "run_prologue"),
+                 "merge": ("FUSE_MERGE", "merge_splits")}  # fmt: skip
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("option", list(FUSED_OPTIONS))
 @pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_decode_fused_prologue_interpret(name, device, monkeypatch):
+def test_decode_fused_interpret(name, option, device, monkeypatch):
     """``FUSE_PROLOGUE`` (S = 1: each split program computes its Q rows and the new K/V row;
-    no tile reads the new row, the split whose range holds it folds it in and appends it):
-    within the fp64 tolerance, the reference's caches (``_check_cache``), and within two output
-    roundings of the prologue kernel + split kernel (NaN-filled unused cache rows: a read of
-    the not yet appended row would show)."""
+    no tile reads the new row, the split whose range holds it folds it in and appends it) and
+    ``FUSE_MERGE`` (S = 1: the last split program of each KV head merges the group's rows;
+    tickets zeroed by the prologue): the fused-away launch does not happen; within the fp64
+    tolerance, the reference's caches (``_check_cache``), and within two output roundings of
+    the unfused tier (NaN-filled unused cache rows and poisoned buffers: a read of the not yet
+    appended row, or of unset tickets / partials, would show)."""
     c = FUSED_CASES[name]
     base = _run_and_check(c, device)
-    calls = []
-    orig = launch.run_prologue
-    monkeypatch.setattr(launch, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    _fused_decode_config(monkeypatch)
+    key, launcher = FUSED_OPTIONS[option]
+    calls = _count_calls(monkeypatch, launcher)
+    _decode_cfg_with(monkeypatch, **{key: True})
     got = _run_and_check(c, device)
-    assert calls == [], "the fused path launched the prologue kernel"
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
+    assert calls == [], f"{key} launched {launcher}"
+    _assert_within_two_roundings(got, base)
 
 
 @pytest.mark.interpret
 def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
     """S > 1 keeps the prologue kernel; a non-bool FUSE_PROLOGUE is a ValueError."""
-    calls = []
-    orig = launch.run_prologue
-    monkeypatch.setattr(launch, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = _count_calls(monkeypatch, "run_prologue")
     _fused_decode_config(monkeypatch)
     _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
     assert calls == [1]
@@ -384,41 +406,13 @@ def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
         )
 
 
-def _merge_decode_config(monkeypatch):
-    orig = launch.decode_config
-    monkeypatch.setattr(launch, "decode_config", lambda *a: dict(orig(*a), FUSE_MERGE=True))
-
-
-def _count_merge_launches(monkeypatch) -> list:
-    calls = []
-    orig = launch.merge_splits
-    monkeypatch.setattr(launch, "merge_splits", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    return calls
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_decode_fused_merge_interpret(name, device, monkeypatch):
-    """``FUSE_MERGE`` (S = 1: the last split program of each KV head merges the group's rows;
-    tickets zeroed by the prologue, poisoned buffers): no merge launch, within the fp64
-    tolerance, the reference's caches, and within two output roundings of the merge kernel."""
-    c = FUSED_CASES[name]
-    base = _run_and_check(c, device)
-    calls = _count_merge_launches(monkeypatch)
-    _merge_decode_config(monkeypatch)
-    got = _run_and_check(c, device)
-    assert calls == [], "the fused merge launched the merge kernel"
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
-
-
 @pytest.mark.interpret
 def test_decode_fused_merge_falls_back(device, monkeypatch):
     """S > 1, a merge tile too large for one program (group 16 x 64 splits > 512 rows) and the
     fused prologue (no prologue kernel zeroes tickets) keep the merge kernel; a non-bool
     FUSE_MERGE is a ValueError."""
-    calls = _count_merge_launches(monkeypatch)
-    _merge_decode_config(monkeypatch)
+    calls = _count_calls(monkeypatch, "merge_splits")
+    _decode_cfg_with(monkeypatch, FUSE_MERGE=True)
     _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
     assert calls == [1]
     big = Case(
@@ -430,13 +424,11 @@ def test_decode_fused_merge_falls_back(device, monkeypatch):
                 num_splits=8)  # fmt: skip
     _run_and_check(fits, device)
     assert calls == [1, 1]
-    orig = launch.decode_config
-    monkeypatch.setattr(launch, "decode_config",
-                        lambda *a: dict(orig(*a), FUSE_MERGE=True, FUSE_PROLOGUE=True))  # fmt: skip
+    _decode_cfg_with(monkeypatch, FUSE_MERGE=True, FUSE_PROLOGUE=True)
     _run_and_check(FUSED_CASES["one-split-fp32-window-qknorm"], device)
     assert calls == [1, 1, 1]
     query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["ragged-splits4-group4"], device)
-    cfg = dict(orig(p.head_size, query.dtype, pk.dtype, True), FUSE_MERGE=1)
+    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), FUSE_MERGE=1)
     with pytest.raises(ValueError, match="FUSE_MERGE"):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
@@ -678,32 +670,22 @@ def test_prefill_gluon_gate(device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("option", list(FUSED_OPTIONS))
 @pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
-def test_decode_fused_prologue_gpu(name, device, monkeypatch):
-    """FUSE_PROLOGUE on real shapes (bf16, int8 per-channel with power-of-two Q rows, fp16
-    cache with window + softcap, fp32): fp64 tolerance, the reference's caches, and within two
-    output roundings of the unfused tier."""
+def test_decode_fused_gpu(name, option, device, monkeypatch):
+    """FUSE_PROLOGUE / FUSE_MERGE on real shapes (bf16, int8 per-channel with power-of-two Q
+    rows, fp16 cache with window + softcap, fp32): the fused-away launch does not happen (a
+    merge tile too large for one program keeps the merge kernel), fp64 tolerance, the
+    reference's caches, and within two output roundings of the unfused tier."""
     c = GPU_CASES[name]
     base = _run_and_check(c, device)
-    _fused_decode_config(monkeypatch)
+    key, launcher = FUSED_OPTIONS[option]
+    calls = _count_calls(monkeypatch, launcher)
+    _decode_cfg_with(monkeypatch, **{key: True})
     got = _run_and_check(c, device)
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
-def test_decode_fused_merge_gpu(name, device, monkeypatch):
-    """FUSE_MERGE on real shapes: no merge launch, fp64 tolerance, the reference's caches, and
-    within two output roundings of the merge kernel."""
-    c = GPU_CASES[name]
-    base = _run_and_check(c, device)
-    calls = _count_merge_launches(monkeypatch)
-    _merge_decode_config(monkeypatch)
-    got = _run_and_check(c, device)
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
-    assert calls == [] or c.num_splits, "the fused merge launched the merge kernel"
+    _assert_within_two_roundings(got, base)
+    if option == "prologue":  # (the merge may fall back: see test_decode_fused_merge_falls_back)
+        assert calls == [], f"{key} launched {launcher}"
 
 
 @pytest.mark.gpu
@@ -714,7 +696,7 @@ def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     without it bit for bit (also with the fused prologue, and with the fused merge: its
     tickets, zeroed by the prologue each replay, pick a different last program per replay)."""
     if fused == "merge":
-        _merge_decode_config(monkeypatch)
+        _decode_cfg_with(monkeypatch, FUSE_MERGE=True)
     elif fused:
         _fused_decode_config(monkeypatch)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
