@@ -216,3 +216,16 @@ def test_select_2d_emission_compiles_without_division(extra):
         new["loops"][0],
         old["loops"][0],
     )
+
+
+@pytest.mark.parametrize("cache", ["bf16", "i8"])
+def test_gqa_decode_fused_merge_costs_no_registers(cache):
+    """FUSE_MERGE (the last split program merges) leaves the split kernel's register count
+    (occupancy) as it was, and reads the [4, 32, 64] fp32 merge tiles through L2 in 16-byte
+    loads: 2 channel tiles x 16 per thread (bf16 136 and int8 168 registers on sm_90)."""
+    base = _sass("gqa-decode", "--cache", cache)
+    fused = _sass("gqa-decode", "--cache", cache, "--set",
+                  "FUSE_MERGE=True,R_PAD=4,SPLITS_PAD=32,MERGE_BLOCK_D=64")  # fmt: skip
+    assert fused["regs"] <= base["regs"], (fused["regs"], base["regs"])
+    assert fused["memory"].get("LDG.E.128.STRONG.GPU") == 32, fused["memory"]
+    assert "LDG.E.128.STRONG.GPU" not in base["memory"], base["memory"]
