@@ -408,7 +408,8 @@ def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
 
 @pytest.mark.interpret
 def test_decode_fused_merge_falls_back(device, monkeypatch):
-    """S > 1, a merge tile too large for one program (group 16 x 64 splits > 512 rows) and the
+    """S > 1, a merge too large for one program (group 16 x 64 splits x 32 channels: four
+    8K-value tiles) and the
     fused prologue (no prologue kernel zeroes tickets) keep the merge kernel; a non-bool
     FUSE_MERGE is a ValueError."""
     calls = _count_calls(monkeypatch, "merge_splits")
@@ -438,11 +439,14 @@ def test_fused_merge_shape():
 
     assert fused_merge_shape(4, 16, 128) == dict(R_PAD=4, SPLITS_PAD=16, BLOCK_D=128)
     assert fused_merge_shape(4, 32, 128) == dict(R_PAD=4, SPLITS_PAD=32, BLOCK_D=64)
-    assert fused_merge_shape(6, 33, 256) == dict(R_PAD=8, SPLITS_PAD=64, BLOCK_D=16)
+    assert fused_merge_shape(4, 16, 256) == dict(R_PAD=4, SPLITS_PAD=16, BLOCK_D=128)
+    assert fused_merge_shape(4, 32, 256) is None  # four channel tiles: the merge kernel
+    assert fused_merge_shape(6, 33, 256) is None
     assert fused_merge_shape(16, 64, 128) is None
-    for rows, splits in ((1, 1), (3, 100), (16, 32)):
-        m = fused_merge_shape(rows, splits, 256)
+    for rows, splits, head in ((1, 1, 256), (3, 20, 128), (16, 8, 128), (2, 1, 80)):
+        m = fused_merge_shape(rows, splits, head)
         assert m["R_PAD"] * m["SPLITS_PAD"] * m["BLOCK_D"] <= MERGE_TILE
+        assert m["R_PAD"] >= rows and m["SPLITS_PAD"] >= splits
 
 
 @pytest.mark.interpret

@@ -135,18 +135,20 @@ def merge_if_last(
                     ROWS, R_PAD, SPLITS_PAD, BLOCK_D, HAS_SINK, SINK_FROM_PTR)  # fmt: skip
 
 
-FUSED_MERGE_ROWS = 512  # R_PAD * SPLITS_PAD bound of a fused merge (BLOCK_D >= 16 channels)
+FUSED_MERGE_TILES = 2  # channel tiles of MERGE_TILE values a fused merge may take
 
 
 def fused_merge_shape(rows: int, splits: int, head: int) -> dict | None:
     """Constexprs (``R_PAD``, ``SPLITS_PAD``, ``BLOCK_D``) of ``merge_if_last`` for a group of
     ``rows`` rows merging ``splits`` splits of ``head`` channels, tiles of <= MERGE_TILE
-    values; None when the group is too large for one program (R_PAD * SPLITS_PAD >
-    FUSED_MERGE_ROWS: the merge kernel then runs)."""
+    values; None when the group is too large for one program: more than FUSED_MERGE_TILES
+    such tiles (each a dependent L2 round trip of one program, where the merge kernel spreads
+    them over many), and the merge kernel runs."""
     r_pad, s_pad = next_pow2(max(rows, 1)), next_pow2(max(splits, 1))
-    if r_pad * s_pad > FUSED_MERGE_ROWS:
+    head_pad = max(16, next_pow2(head))
+    if r_pad * s_pad * head_pad > FUSED_MERGE_TILES * MERGE_TILE:
         return None
-    block_d = max(16, min(next_pow2(head), MERGE_TILE // (r_pad * s_pad)))
+    block_d = max(16, min(head_pad, MERGE_TILE // (r_pad * s_pad)))
     return dict(R_PAD=r_pad, SPLITS_PAD=s_pad, BLOCK_D=block_d)
 
 
