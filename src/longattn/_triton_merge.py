@@ -33,6 +33,23 @@ MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 
 
 @triton.jit
+def _split_weights(lse, sink2, AXIS: tl.constexpr, HAS_SINK: tl.constexpr):
+    """``(w, inv)`` of log2-domain split log-sum-exps ``lse`` along ``AXIS``: the weights
+    ``exp2(lse - m)`` (0 for empty splits) and ``1 / den`` with that axis kept as size 1 (0 for
+    a row with nothing); ``HAS_SINK``: the sink logit ``sink2`` (broadcastable to the reduced
+    shape) joins the max and the denominator exactly once."""
+    m = tl.max(lse, AXIS, keep_dims=True)
+    if HAS_SINK:
+        m = tl.maximum(m, sink2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    den = tl.sum(w, AXIS, keep_dims=True)
+    if HAS_SINK:
+        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
+    return w, tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+
+
+@triton.jit
 def merge_splits_kernel(
     o_part_ptr,  # [R, N, num_splits, HEAD] fp32, contiguous
     lse_part_ptr,  # [R, N, num_splits] fp32 (log2 domain), contiguous
@@ -56,20 +73,11 @@ def merge_splits_kernel(
     lse = tl.load(lse_part_ptr + rn * num_splits + offs_p, mask=mask_p, other=float("-inf"))
     o_ptrs = o_part_ptr + (rn * num_splits + offs_p)[:, None] * HEAD + offs_d[None, :]
     o = tl.load(o_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
-    m = tl.max(lse, 0)
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = tl.load(sink_ptr + rn % NUM_HEADS).to(tl.float32) * 1.4426950408889634
-        else:
-            sink2 = 0.0
-        m = tl.maximum(m, sink2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # [SPLITS_PAD], 0 for empty splits
-    den = tl.sum(w, 0)
-    if HAS_SINK:
-        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
-    out = tl.sum(o * w[:, None], 0)  # [BLOCK_D]
-    out = out * tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
+    sink2 = 0.0  # the smooth_softmax zero logit
+    if SINK_FROM_PTR:
+        sink2 = tl.load(sink_ptr + rn % NUM_HEADS).to(tl.float32) * 1.4426950408889634
+    w, inv = _split_weights(lse, sink2, 0, HAS_SINK)  # [SPLITS_PAD], [1]
+    out = tl.sum(o * w[:, None], 0) * inv  # [BLOCK_D]
     tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
@@ -91,27 +99,18 @@ def _merge_rows(
     mask_rp = mask_r[:, None] & (offs_p < num_splits)[None, :]  # [R_PAD, SPLITS_PAD]
     part = rn[:, None] * num_splits + offs_p[None, :]  # [R_PAD, SPLITS_PAD]
     lse = tl.load(lse_part_ptr + part, mask=mask_rp, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)  # [R_PAD]
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = tl.load(sink_ptr + rn % NUM_HEADS, mask=mask_r, other=0.0).to(tl.float32)
-            sink2 = sink2 * 1.4426950408889634  # [R_PAD]
-        else:
-            sink2 = tl.zeros([R_PAD], dtype=tl.float32)
-        m = tl.maximum(m, sink2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe[:, None])  # [R_PAD, SPLITS_PAD], 0 for empty splits
-    den = tl.sum(w, 1)  # [R_PAD]
-    if HAS_SINK:
-        den = den + tl.exp2(sink2 - m_safe)  # the sink, exactly once
-    inv = tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)  # [R_PAD]
+    sink2 = 0.0  # the smooth_softmax zero logit
+    if SINK_FROM_PTR:
+        sink2 = tl.load(sink_ptr + rn % NUM_HEADS, mask=mask_r, other=0.0).to(tl.float32)
+        sink2 = (sink2 * 1.4426950408889634)[:, None]  # [R_PAD, 1]
+    w, inv = _split_weights(lse, sink2, 1, HAS_SINK)  # [R_PAD, SPLITS_PAD], [R_PAD, 1]
     for d0 in tl.static_range(0, HEAD, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)  # [BLOCK_D]
         o_ptrs = o_part_ptr + part[:, :, None] * HEAD + offs_d[None, None, :]
         mask_d = offs_d < HEAD
         o = tl.load(o_ptrs, mask=mask_rp[:, :, None] & mask_d[None, None, :], other=0.0,
                     cache_modifier=".cg")  # [R_PAD, SPLITS_PAD, BLOCK_D]  # fmt: skip
-        out = tl.sum(o * w[:, :, None], 1) * inv[:, None]  # [R_PAD, BLOCK_D]
+        out = tl.sum(o * w[:, :, None], 1) * inv  # [R_PAD, BLOCK_D]
         dst = o_ptr + rn[:, None] * HEAD + offs_d[None, :]
         tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
