@@ -591,6 +591,15 @@ def test_dsa_fused_prologue_is_s1_only_and_checked(monkeypatch):
 
 
 @interpret
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
+def test_dsa_sm_programs_checked(bad):
+    """SM_PROGRAMS must be a positive int (a float or a bool would silently change the plan)."""
+    with pytest.raises(ValueError, match=r"cfg\['SM_PROGRAMS'\] must be a positive int"):
+        _run_with_splits(build(42, h=32), None, SM_PROGRAMS=bad)
+    _run_with_splits(build(42, h=32), None, SM_PROGRAMS=1)  # one program per SM: runs
+
+
+@interpret
 def test_dsa_rotary_offset_uses_torch_prologue():
     kw = build(8, h=64, rotary_offset=16, m=20)
     check_dsa(kw)
@@ -864,6 +873,7 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
         dict(BLOCK_N=16, num_stages=3, maxnreg=128),
         dict(SM_PROGRAMS=2),
         dict(BLOCK_N=16, num_stages=3, SM_PROGRAMS=3),
+        dict(maxnreg=168, SM_PROGRAMS=3),
     ],
 )
 @pytest.mark.parametrize("s", [1, 8])

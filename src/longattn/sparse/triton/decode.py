@@ -528,9 +528,10 @@ def dsa_triton(
     ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
-    num_stages / FUSE_PROLOGUE / SM_PROGRAMS, see ``plan_splits``), ``num_splits`` and ``prologue`` ("triton" | "torch") are
-    tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel
-    does the prologue's work itself (one launch fewer).
+    num_stages / FUSE_PROLOGUE / SM_PROGRAMS), ``num_splits`` and ``prologue`` ("triton" |
+    "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``):
+    at S = 1 the split kernel does the prologue's work itself (one launch fewer).
+    ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -548,6 +549,8 @@ def dsa_triton(
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     sm_programs = cfg.pop("SM_PROGRAMS", None)  # host-side: the split plan's wave cap
+    if sm_programs is not None and (type(sm_programs) is not int or sm_programs < 1):
+        raise ValueError(f"cfg['SM_PROGRAMS'] must be a positive int, got {sm_programs!r}")
     fuse = fuse_prologue(cfg, s, use_triton)
     q_scale = None
     if fuse:
