@@ -42,7 +42,7 @@ def gqa_merge_rows(quick: bool) -> list[dict]:
     for dt, b, t in shapes:
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
         base = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
-        merged = gqa._graph_time_or_none(gqa._decode_fn(p, gqa._merge_cfg(dt)), sets)
+        merged = gqa._graph_time_or_none(gqa._decode_fn(p, gqa._variant_cfg(dt, "merge")), sets)
         again = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
         row = dict(section="gqa_merge", cache=str(dt).removeprefix("torch."), B=b, T=t,
                    default_graph_us=base, merge_graph_us=merged, default_again_graph_us=again)  # fmt: skip

@@ -259,18 +259,16 @@ def _decode_fn(p, cfg=None, splits=None):
     return fn
 
 
-def _fused_cfg(cache_dtype):
-    """The default decode config plus FUSE_PROLOGUE (S = 1: the split kernel does the
-    prologue's work, one launch fewer; an A/B variant, not the default yet)."""
-    dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
-    return dict(launch.decode_config(128, dot, cache_dtype, False), FUSE_PROLOGUE=True)
+# A/B variants of the decode and cache sections (S = 1 options, not defaults yet), each one
+# launch fewer: FUSE_PROLOGUE (the split kernel does the prologue's work) and FUSE_MERGE (the
+# last split program of each KV head merges); row keys ours_<name>_graph_us
+DECODE_VARIANTS = {"fused": "FUSE_PROLOGUE", "merge": "FUSE_MERGE"}
 
 
-def _merge_cfg(cache_dtype):
-    """The default decode config plus FUSE_MERGE (S = 1: the last split program of each KV
-    head merges, one launch fewer; an A/B variant, not the default yet)."""
+def _variant_cfg(cache_dtype, name):
+    """The default decode config plus the option of variant ``name`` (DECODE_VARIANTS)."""
     dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
-    return dict(launch.decode_config(128, dot, cache_dtype, False), FUSE_MERGE=True)
+    return dict(launch.decode_config(128, dot, cache_dtype, False), **{DECODE_VARIANTS[name]: True})
 
 
 def _decode_set_count(b, t, itemsize):
@@ -301,16 +299,12 @@ def decode(rows, best, copy_tbs):
                 100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
             )
             row["cudnn_graph_us"] = _graph_time_or_none(sdpa["cudnn"], q_sets)
-            f_us = _graph_time_or_none(_decode_fn(p, _fused_cfg(torch.bfloat16)), sets)
-            row["ours_fused_graph_us"] = f_us
-            row["fused_graph_pct_of_copy_bw"] = (
-                100 * nbytes / (f_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if f_us else None
-            )
-            m_us = _graph_time_or_none(_decode_fn(p, _merge_cfg(torch.bfloat16)), sets)
-            row["ours_merge_graph_us"] = m_us
-            row["merge_graph_pct_of_copy_bw"] = (
-                100 * nbytes / (m_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if m_us else None
-            )
+            for v in DECODE_VARIANTS:
+                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v)), sets)
+                row[f"ours_{v}_graph_us"] = v_us
+                row[f"{v}_graph_pct_of_copy_bw"] = (
+                    100 * nbytes / (v_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if v_us else None
+                )
             print(f"  {row}", flush=True)
             rows.append(row)
             del sets, q_sets
@@ -331,14 +325,11 @@ def cache_dtypes(rows, copy_tbs):
             row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
             if res.get("bf16") and res[name]:
                 row["speedup_vs_bf16"] = res["bf16"] / res[name]
-            fused = _graph_time_or_none(_decode_fn(p, _fused_cfg(dt)), sets)
-            row["ours_fused_graph_us"] = res[f"{name}_fused"] = fused
-            if res.get("bf16_fused") and fused:
-                row["fused_speedup_vs_bf16_fused"] = res["bf16_fused"] / fused
-            merged = _graph_time_or_none(_decode_fn(p, _merge_cfg(dt)), sets)
-            row["ours_merge_graph_us"] = res[f"{name}_merge"] = merged
-            if res.get("bf16_merge") and merged:
-                row["merge_speedup_vs_bf16_merge"] = res["bf16_merge"] / merged
+            for v in DECODE_VARIANTS:
+                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(dt, v)), sets)
+                row[f"ours_{v}_graph_us"] = res[f"{name}_{v}"] = v_us
+                if res.get(f"bf16_{v}") and v_us:
+                    row[f"{v}_speedup_vs_bf16_{v}"] = res[f"bf16_{v}"] / v_us
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes
