@@ -408,17 +408,16 @@ def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
 
 @pytest.mark.interpret
 def test_decode_fused_merge_falls_back(device, monkeypatch):
-    """S > 1, a merge too large for one program (group 16 x 64 splits x 32 channels: four
-    8K-value tiles) and the
-    fused prologue (no prologue kernel zeroes tickets) keep the merge kernel; a non-bool
-    FUSE_MERGE is a ValueError."""
+    """S > 1, a merge too large for one program (group 16 x 64 padded splits x 32 channels:
+    four 8K-value tiles) and the fused prologue (no prologue kernel zeroes tickets) keep the
+    merge kernel; group 16 with 8 padded splits fuses; a non-bool FUSE_MERGE is a ValueError."""
     calls = _count_calls(monkeypatch, "merge_splits")
     _decode_cfg_with(monkeypatch, FUSE_MERGE=True)
     _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
     assert calls == [1]
     big = Case(
         b=1, s=1, lens=(1100,), first_prompt=False, n=16, kv=1, rotary=None, num_splits=64
-    )  # fmt: skip  (64 splits of one 16-key tile + a last one)
+    )  # 35 splits of 32 keys (64 asked for, >= 2 interpreter tiles each): SPLITS_PAD 64
     _run_and_check(big, device)
     assert calls == [1, 1]
     fits = Case(b=1, s=1, lens=(130,), first_prompt=False, n=16, kv=1, rotary=None,
