@@ -259,10 +259,10 @@ def _decode_fn(p, cfg=None, splits=None):
     return fn
 
 
-# A/B variants of the decode and cache sections (S = 1 options, not defaults yet), each one
-# launch fewer: FUSE_PROLOGUE (the split kernel does the prologue's work) and FUSE_MERGE (the
-# last split program of each KV head merges); row keys ours_<name>_graph_us
-DECODE_VARIANTS = {"fused": "FUSE_PROLOGUE", "merge": "FUSE_MERGE"}
+# A/B variants of the decode and cache sections (S = 1 options, not defaults yet), row keys
+# ours_<name>_graph_us: FUSE_PROLOGUE (the split kernel does the prologue's work, one launch
+# fewer). FUSE_MERGE (the last split program merges) was measured 0.97-1.00x and removed.
+DECODE_VARIANTS = {"fused": "FUSE_PROLOGUE"}
 
 
 def _variant_cfg(cache_dtype, name):

@@ -257,19 +257,21 @@ _VARIANTS = {
 }
 
 
-# A/B variants of the cache section's int8 rows (sm_90 builds at H=256, bf16 activations): the
-# default int8 split kernel (BLOCK_N 32, 2 stages) takes 209 registers, 2 programs per SM (bf16:
-# 121, 4); a cap of 168 keeps 3 with 40 bytes of spills; BLOCK_N 16 at 3 stages takes 140
-# registers (3 per SM, no spills) and with a cap of 128 none spill either (4 per SM).
-# SM_PROGRAMS caps the split plan at one wave of that many programs per SM (the plan's rule
-# asks for 4 per SM at <= 16 (row, KV head) pairs: two waves of a 2-per-SM build)
+# A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
+# bf16 activations; BLOCK_N 32, 2 stages, capped at 168 registers: 3 programs per SM, 40 bytes
+# of spills, the split plan at one wave of 3 per SM):
+# - prev: the uncapped build (209 registers, 2 per SM) with the plan's 4 per SM (<= 16 (row,
+#   KV head) pairs), the default until session 23;
+# - s3 / s1: 3 or 1 stages at the same cap, no spills (loop 1072 / 727 instructions vs 2
+#   stages' ~1000 with 10 LDL + 5 STL);
+# - n16s3: BLOCK_N 16, 3 stages (153 registers at the cap, no spills, 3 per SM);
+# - n16s3r128sm4: that tile capped at 128 registers, 4 per SM, no spills.
 _CACHE_VARIANTS = {
-    "maxnreg168": dict(maxnreg=168),
+    "prev": dict(maxnreg=None, SM_PROGRAMS=None),
+    "s3": dict(num_stages=3),
+    "s1": dict(num_stages=1),
     "n16s3": dict(BLOCK_N=16, num_stages=3),
-    "n16s3r128": dict(BLOCK_N=16, num_stages=3, maxnreg=128),
-    "sm2": dict(SM_PROGRAMS=2),
-    "n16s3sm3": dict(BLOCK_N=16, num_stages=3, SM_PROGRAMS=3),
-    "maxnreg168sm3": dict(maxnreg=168, SM_PROGRAMS=3),
+    "n16s3r128sm4": dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
 }
 
 

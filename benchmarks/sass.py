@@ -127,8 +127,7 @@ def _presets(cache: str):
     attn_types = {"q_ptr": f"*{q16}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
                   "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
                   "softcap_mult": "fp32", "xq_ptr": "*bf16", "xk_ptr": "*bf16", "xv_ptr": "*bf16",
-                  "pos_ptr": "*i64", "eps": "fp32", "ticket_ptr": "*i32", "out_ptr": "*bf16",
-                  "sink_ptr": "*bf16"}  # fmt: skip
+                  "pos_ptr": "*i64", "eps": "fp32"}  # fmt: skip
     attn_q_dtype = tl.float16 if cache == "i8" else tl.bfloat16
     # DSA: fp16 Q (and dots) for an fp16 cache or an int8 one (power-of-two Q rows)
     dsa_dot = tl.float16 if cache in ("i8", "fp16") else tl.bfloat16
@@ -154,9 +153,8 @@ def _presets(cache: str):
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
                             FUSE_PROLOGUE=False, Q_DTYPE=attn_q_dtype, ROT_DIM=0,
                             HAS_ROTARY=False, INTERLEAVED=False, HAS_POS=False, HAS_QNORM=False,
-                            HAS_KNORM=False, K_QUANT=cache == "i8", FUSE_MERGE=False,
-                            R_PAD=4, SPLITS_PAD=16, MERGE_BLOCK_D=128, HAS_SINK=False,
-                            SINK_FROM_PTR=False, **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
+                            HAS_KNORM=False, K_QUANT=cache == "i8",
+                            **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("qa", "ka", "va", "xq", "xk", "xv")},
                         "q_ptr": f"*{dsa_q}", "qs_ptr": "*fp32",

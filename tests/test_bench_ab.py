@@ -18,5 +18,5 @@ def test_ab_variants_are_the_pending_options():
         assert name in bench_sparse._CACHE_VARIANTS, name
     assert any("SM_PROGRAMS" in bench_sparse._CACHE_VARIANTS[n] for n in ab.DSA_VARIANTS)
     for dt in (torch.bfloat16, torch.int8):
-        cfg = bench_gqa._variant_cfg(dt, "merge")
-        assert cfg["FUSE_MERGE"] is True and "BLOCK_N" in cfg
+        cfg = bench_gqa._variant_cfg(dt, "fused")
+        assert cfg["FUSE_PROLOGUE"] is True and "BLOCK_N" in cfg

@@ -358,8 +358,7 @@ def _count_calls(monkeypatch, name: str) -> list:
 
 
 # decode options that fuse a launch away: (config key, the launcher it makes unnecessary)
-FUSED_OPTIONS = {"prologue": ("FUSE_PROLOGUE", "run_prologue"),
-                 "merge": ("FUSE_MERGE", "merge_splits")}  # fmt: skip
+FUSED_OPTIONS = {"prologue": ("FUSE_PROLOGUE", "run_prologue")}
 
 
 @pytest.mark.interpret
@@ -367,12 +366,10 @@ FUSED_OPTIONS = {"prologue": ("FUSE_PROLOGUE", "run_prologue"),
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_decode_fused_interpret(name, option, device, monkeypatch):
     """``FUSE_PROLOGUE`` (S = 1: each split program computes its Q rows and the new K/V row;
-    no tile reads the new row, the split whose range holds it folds it in and appends it) and
-    ``FUSE_MERGE`` (S = 1: the last split program of each KV head merges the group's rows;
-    tickets zeroed by the prologue): the fused-away launch does not happen; within the fp64
-    tolerance, the reference's caches (``_check_cache``), and within two output roundings of
-    the unfused tier (NaN-filled unused cache rows and poisoned buffers: a read of the not yet
-    appended row, or of unset tickets / partials, would show)."""
+    no tile reads the new row, the split whose range holds it folds it in and appends it): the
+    fused-away launch does not happen; within the fp64 tolerance, the reference's caches
+    (``_check_cache``), and within two output roundings of the unfused tier (NaN-filled unused
+    cache rows: a read of the not yet appended row would show)."""
     c = FUSED_CASES[name]
     base = _run_and_check(c, device)
     key, launcher = FUSED_OPTIONS[option]
@@ -404,48 +401,6 @@ def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
                 launch.decode_config(p.head_size, query.dtype, pk.dtype, True), FUSE_PROLOGUE=1
             ),
         )
-
-
-@pytest.mark.interpret
-def test_decode_fused_merge_falls_back(device, monkeypatch):
-    """S > 1, a merge too large for one program (group 16 x 64 padded splits x 32 channels:
-    four 8K-value tiles) and the fused prologue (no prologue kernel zeroes tickets) keep the
-    merge kernel; group 16 with 8 padded splits fuses; a non-bool FUSE_MERGE is a ValueError."""
-    calls = _count_calls(monkeypatch, "merge_splits")
-    _decode_cfg_with(monkeypatch, FUSE_MERGE=True)
-    _run_and_check(DECODE_CASES["s3-bias-batch-fp32-splits3"], device)
-    assert calls == [1]
-    big = Case(
-        b=1, s=1, lens=(1100,), first_prompt=False, n=16, kv=1, rotary=None, num_splits=64
-    )  # 35 splits of 32 keys (64 asked for, >= 2 interpreter tiles each): SPLITS_PAD 64
-    _run_and_check(big, device)
-    assert calls == [1, 1]
-    fits = Case(b=1, s=1, lens=(130,), first_prompt=False, n=16, kv=1, rotary=None,
-                num_splits=8)  # fmt: skip
-    _run_and_check(fits, device)
-    assert calls == [1, 1]
-    _decode_cfg_with(monkeypatch, FUSE_MERGE=True, FUSE_PROLOGUE=True)
-    _run_and_check(FUSED_CASES["one-split-fp32-window-qknorm"], device)
-    assert calls == [1, 1, 1]
-    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["ragged-splits4-group4"], device)
-    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), FUSE_MERGE=1)
-    with pytest.raises(ValueError, match="FUSE_MERGE"):
-        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
-
-
-def test_fused_merge_shape():
-    from longattn._triton_merge import MERGE_TILE, fused_merge_shape
-
-    assert fused_merge_shape(4, 16, 128) == dict(R_PAD=4, SPLITS_PAD=16, BLOCK_D=128)
-    assert fused_merge_shape(4, 32, 128) == dict(R_PAD=4, SPLITS_PAD=32, BLOCK_D=64)
-    assert fused_merge_shape(4, 16, 256) == dict(R_PAD=4, SPLITS_PAD=16, BLOCK_D=128)
-    assert fused_merge_shape(4, 32, 256) is None  # four channel tiles: the merge kernel
-    assert fused_merge_shape(6, 33, 256) is None
-    assert fused_merge_shape(16, 64, 128) is None
-    for rows, splits, head in ((1, 1, 256), (3, 20, 128), (16, 8, 128), (2, 1, 80)):
-        m = fused_merge_shape(rows, splits, head)
-        assert m["R_PAD"] * m["SPLITS_PAD"] * m["BLOCK_D"] <= MERGE_TILE
-        assert m["R_PAD"] >= rows and m["SPLITS_PAD"] >= splits
 
 
 @pytest.mark.interpret
@@ -676,10 +631,9 @@ def test_prefill_gluon_gate(device, monkeypatch):
 @pytest.mark.parametrize("option", list(FUSED_OPTIONS))
 @pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
 def test_decode_fused_gpu(name, option, device, monkeypatch):
-    """FUSE_PROLOGUE / FUSE_MERGE on real shapes (bf16, int8 per-channel with power-of-two Q
-    rows, fp16 cache with window + softcap, fp32): the fused-away launch does not happen (a
-    merge tile too large for one program keeps the merge kernel), fp64 tolerance, the
-    reference's caches, and within two output roundings of the unfused tier."""
+    """FUSE_PROLOGUE on real shapes (bf16, int8 per-channel with power-of-two Q rows, fp16
+    cache with window + softcap, fp32): the fused-away launch does not happen, fp64 tolerance,
+    the reference's caches, and within two output roundings of the unfused tier."""
     c = GPU_CASES[name]
     base = _run_and_check(c, device)
     key, launcher = FUSED_OPTIONS[option]
@@ -687,20 +641,16 @@ def test_decode_fused_gpu(name, option, device, monkeypatch):
     _decode_cfg_with(monkeypatch, **{key: True})
     got = _run_and_check(c, device)
     _assert_within_two_roundings(got, base)
-    if option == "prologue":  # (the merge may fall back: see test_decode_fused_merge_falls_back)
-        assert calls == [], f"{key} launched {launcher}"
+    assert calls == [], f"{key} launched {launcher}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True, "merge"])
+@pytest.mark.parametrize("fused", [False, True])
 def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
-    without it bit for bit (also with the fused prologue, and with the fused merge: its
-    tickets, zeroed by the prologue each replay, pick a different last program per replay)."""
-    if fused == "merge":
-        _decode_cfg_with(monkeypatch, FUSE_MERGE=True)
-    elif fused:
+    without it bit for bit, replay after replay (also with the fused prologue)."""
+    if fused:
         _fused_decode_config(monkeypatch)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16)  # fmt: skip

@@ -130,15 +130,6 @@ def wait_prior_grids(PDL: tl.constexpr):
         gdc_wait()
 
 
-@triton.jit
-def gpu_fence(INTERPRET: tl.constexpr):
-    """``fence.acq_rel.gpu`` in every thread: its earlier global writes are ordered before its
-    later ones at GPU scope (the interpreter runs programs one after another: no-op)."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-
-
 _INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import (int8x4_to_fp16)
 
 

@@ -8,9 +8,7 @@ for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 p
 (log2 domain; -inf for an empty slice).
 
 The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
-(head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA; or,
-with ``FUSE_MERGE`` (S = 1, a ``decode_cfg`` option), by the last split program of each KV head
-itself (``_triton_merge.merge_if_last``: one launch fewer).
+(head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
 
 ``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option, off by default until measured): the kernel
 takes the prologue's work (``longattn._triton_prologue``): each program computes its Q rows from
@@ -24,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_merge import merge_if_last
 from ..._triton_prologue import (
     fold_new_row,
     fused_new_v,
@@ -221,15 +218,6 @@ def gqa_decode_split_kernel(
     HAS_QNORM: tl.constexpr = False,
     HAS_KNORM: tl.constexpr = False,
     K_QUANT: tl.constexpr = False,
-    ticket_ptr=None,  # FUSE_MERGE: [B * KV] int32 merge tickets, zeroed by the prologue
-    out_ptr=None,  # FUSE_MERGE: the output [B, 1, N*HEAD]
-    sink_ptr=None,  # FUSE_MERGE with SINK_FROM_PTR: head_sink [N]
-    FUSE_MERGE: tl.constexpr = False,  # S = 1: the last split of each KV head merges its rows
-    R_PAD: tl.constexpr = 1,  # FUSE_MERGE tiles (``_triton_merge.fused_merge_shape``)
-    SPLITS_PAD: tl.constexpr = 1,
-    MERGE_BLOCK_D: tl.constexpr = 16,
-    HAS_SINK: tl.constexpr = False,  # FUSE_MERGE: head_sink or smooth_softmax
-    SINK_FROM_PTR: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -340,11 +328,6 @@ def gqa_decode_split_kernel(
     part = ((b64 * seq_len + s_idx) * NUM_HEADS + n_idx) * num_splits + split  # [ROWS_PAD]
     tl.store(lse_part_ptr + part, lse, mask=in_rows)
     tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
-    if FUSE_MERGE:  # seq_len == 1: this KV head's rows are heads kvh * GROUP .. of sequence b
-        merge_if_last(ticket_ptr + b64 * KV_HEADS + kvh, num_splits, o_part_ptr, lse_part_ptr,
-                      sink_ptr, out_ptr, b64 * NUM_HEADS + kvh * GROUP, NUM_HEADS, HEAD, GROUP,
-                      R_PAD, SPLITS_PAD, MERGE_BLOCK_D, HAS_SINK, SINK_FROM_PTR,
-                      INTERPRET)  # fmt: skip
 
 
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:

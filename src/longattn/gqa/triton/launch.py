@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._triton_merge import fused_merge_shape, merge_splits
+from ..._triton_merge import merge_splits
 from ..._triton_prologue import fuse_prologue, fused_prologue_args, rope_norm_flags
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
@@ -105,11 +105,10 @@ def _logit_scalars(p: GQAParams) -> tuple[float, float]:
 
 
 def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                 q_scale=None, tickets=None):  # fmt: skip
+                 q_scale=None):  # fmt: skip
     """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches.
     ``q_scale [B, S, N]`` fp32 (int8 K, fp16 q_rot): receives each Q row's power-of-two factor
-    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled. ``tickets [B * KV]``
-    int32: zeroed (the decode kernel's ``FUSE_MERGE`` tickets)."""
+    (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
     b, s, _ = query.shape
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     if key is None:  # packed QKV
@@ -179,8 +178,6 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         K_QUANT=quant_k,
         V_QUANT=quant_v,
         Q_POW2=q_scale is not None,
-        ticket_ptr=tickets,
-        ZERO_TICKETS=tickets is not None,
         num_warps=num_warps,
     )
 
@@ -399,12 +396,10 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, 
 
 
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
-               q_scale=None, fused=None, dot=None, tickets=None):  # fmt: skip
+               q_scale=None, fused=None, dot=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
     ``fused``: the fused-prologue arguments (``_triton_prologue.fused_prologue_args``; S = 1,
-    ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype.
-    ``tickets [B * KV]`` int32, zero (S = 1, ``FUSE_MERGE``): the split kernel merges (its last
-    program per KV head), when the group's merge tile fits one program."""
+    ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -433,15 +428,6 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     quant_v = present_value.dtype == torch.int8
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     qk_scale, softcap_mult = _logit_scalars(p)
-    merge = fused_merge_shape(p.group, splits, h) if tickets is not None and s == 1 else None
-    merge_args = {}
-    if merge is not None:
-        sink = p.head_sink
-        merge_args = dict(ticket_ptr=tickets, out_ptr=out, sink_ptr=sink, FUSE_MERGE=True,
-                          R_PAD=merge["R_PAD"], SPLITS_PAD=merge["SPLITS_PAD"],
-                          MERGE_BLOCK_D=merge["BLOCK_D"],
-                          HAS_SINK=sink is not None or p.smooth_softmax,
-                          SINK_FROM_PTR=sink is not None)  # fmt: skip
     gqa_decode_split_kernel[(kv, b, splits)](
         **pdl_kwargs(q_any),
         q_ptr=q_any,
@@ -484,12 +470,10 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         PV_DTYPE=_TL_DTYPES[pv_dtype_for(dot, present_value.dtype)],
         **_common_flags(p, present_value, dot, q_pow2),
         **(fused or fused_prologue_args(None, None, None, p, dot, present_key.dtype)),
-        **merge_args,
         **cfg,
     )
-    if merge is None:
-        merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
-                     smooth_softmax=p.smooth_softmax)  # fmt: skip
+    merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
+                 smooth_softmax=p.smooth_softmax)  # fmt: skip
 
 
 def gqa_triton(
@@ -524,25 +508,19 @@ def gqa_triton(
     q_pow2 = present_key.dtype == torch.int8 and query.dtype != torch.float32
     dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
-    fused = tickets = None
+    fused = None
     if path == "decode":
         decode_cfg = dict(decode_cfg or decode_config(h, dot, present_key.dtype, _interpret()))
-        fuse_merge = decode_cfg.pop("FUSE_MERGE", False)
-        if not isinstance(fuse_merge, bool):
-            raise ValueError(f"decode_cfg['FUSE_MERGE'] must be a bool, got {fuse_merge!r}")
         if fuse_prologue(decode_cfg, s, True):  # the split kernel does the prologue's work
             fused = fused_prologue_args(query, key, value, p, dot, present_key.dtype)
-        elif fuse_merge and s == 1:  # the prologue zeroes the split kernel's merge tickets
-            tickets = _empty((b * p.kv_num_heads,), dtype=torch.int32, device=query.device)
     q_rot = q_scale = None
     if fused is None:
         q_rot = _empty((b, s, n, h), dtype=dot, device=query.device)
         q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if q_pow2 else None
-        run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale,
-                     tickets)  # fmt: skip
+        run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
-                   q_scale, fused, dot, tickets)  # fmt: skip
+                   q_scale, fused, dot)  # fmt: skip
     elif path == "prefill_gluon":
         run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:

@@ -5,8 +5,7 @@ rotates BLOCK_H query heads of one token and writes them to the Q scratch buffer
 ``[B, S, N, HEAD]`` in the dot dtype; a program of the second kind does the same for BLOCK_H key
 heads, writing them (and the matching value heads) into the caches at row ``qpos``, converted or
 quantized to the cache dtype. All math is fp32 from the input values and fp32-read cos/sin; each
-stored value is rounded exactly once. ``ZERO_TICKETS``: the key programs also zero the decode
-split kernel's merge tickets ``[B * KV]`` (``_triton_merge.merge_if_last``) of their KV heads.
+stored value is rounded exactly once.
 
 int8 K caches: the K scale is folded into Q here (``q * k_scale[kv(head), d]`` before Q's one
 rounding), so the attention kernels multiply Q by the stored integers, which the dot dtype
@@ -88,8 +87,6 @@ def gqa_prologue_kernel(
     V_QUANT: tl.constexpr,
     Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    ticket_ptr=None,  # [B * KV] int32 (ZERO_TICKETS): the split kernel's merge tickets
-    ZERO_TICKETS: tl.constexpr = False,  # zero them (the split kernel's FUSE_MERGE)
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     tok = tl.program_id(0)
@@ -139,8 +136,6 @@ def gqa_prologue_kernel(
         if IS_FIRST_PROMPT:
             write = write & (s < total_len)  # right padding is not written
         mask = (offs_h < KV_HEADS)[:, None] & mask_d[None, :] & write  # [BLOCK_H, HEAD_PAD]
-        if ZERO_TICKETS:  # the first token's program of each KV head block, written or not
-            tl.store(ticket_ptr + b * KV_HEADS + offs_h, 0, mask=(offs_h < KV_HEADS) & (s == 0))
         row = offs_h.to(tl.int64)[:, None]
         k = norm_rope_heads(
             k_ptr + b * stride_kb + s * stride_ks, offs_h, KV_HEADS, kn_w_ptr, cos_ptr,

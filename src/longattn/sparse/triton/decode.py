@@ -411,7 +411,8 @@ def _pv_operands(q_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple:
 
 
 def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size and dtypes.
+    """(BLOCK_N, num_warps, num_stages, int8: maxnreg and SM_PROGRAMS) of the split kernel,
+    keyed on head size and dtypes.
 
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
@@ -423,7 +424,15 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     # registers without spills (int8 included); larger tiles spill. H200 sweep (benchmarks/
     # results/tune_dsa_h200.json, H=256 bf16, T=128K): 2 stages are as fast or faster than 3-4
     # at every (B, S) and splits count (a split holds only a few tiles).
-    return dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=2 if head > 128 else 3)
+    cfg = dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=2 if head > 128 else 3)
+    if cache_dtype == torch.int8:
+        # The int8 build holds 209 (H=256) / 238 (H=128) registers: 2 programs per SM, so the
+        # plan's 4 per SM ran ~1.3-2 waves. Capped at 168 (3 per SM; H=256 spills 40 bytes,
+        # H=128 none) with the plan at one wave of them. Same-process A/B on an H100
+        # (ab_decode_options_h100.json, H=256, budget 8192, T=128K), uncapped -> this:
+        # B=1 S=1 33.2 -> 27.3 us, S=8 153.8 -> 106.8; B=4 S=1 64.1 -> 54.6, S=8 455.9 -> 286.9.
+        cfg.update(maxnreg=168, SM_PROGRAMS=3)
+    return cfg
 
 
 def plan_splits(
