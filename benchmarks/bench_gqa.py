@@ -8,7 +8,10 @@ Sections (results are rewritten after each one, so a cut-short run keeps what it
   S in {2K, 8K, 32K}. TFLOP/s with causal FLOPs = 4*B*N*H*S*S/2. ``ours_attn`` is the flash
   kernel alone (what SDPA computes); ``ours_op`` adds the prologue (rotary + cache append).
 - ``decode``: S = 1, bf16 cache, (32, 8), H = 128, B in {1, 8, 32}, T in {4K, 32K, 128K}:
-  GB/s on the K/V bytes read, vs the measured copy bandwidth, and time vs SDPA.
+  GB/s on the K/V bytes read, vs the measured copy bandwidth, and time vs SDPA. ``*_graph_us``:
+  a one-call CUDA graph replayed per timing (its launch latency included); ``ours_chain_us``:
+  per step of one graph of CHAIN steps over distinct caches (a model's decode graph: one step
+  per layer); ``kernels_eager_us`` (B=1): each kernel's GPU time (profiler, eager calls).
 - ``cache``: int8 and fp16 caches (bf16 activations) vs the bf16 cache.
 - ``features``: what SDPA lacks (softcap 50, local window, head sink) and plain causal, bf16,
   (32, 8), H = 128: prefill (B=2, S=8K, the attention kernel alone) and decode (B=8, T=32K, the
@@ -37,6 +40,8 @@ from _harness import (  # noqa: E402
     copies_for_l2,
     gpu_meta,
     graph_bench,
+    graph_bench_chain,
+    kernel_table,
     measure_ceilings,
     write_results,
 )
@@ -271,6 +276,32 @@ def _variant_cfg(cache_dtype, name):
     return dict(launch.decode_config(128, dot, cache_dtype, False), **{DECODE_VARIANTS[name]: True})
 
 
+CHAIN = 4  # decode steps over distinct caches in one graph (``ours_chain_us``)
+CHAIN_MAX_BYTES = 20e9  # K/V bytes of the chain's caches (B=32 T=128K needs 69 GB: skipped)
+
+
+def _chain_time_or_none(fn, sets, b, t, cache_dtype):
+    """Per-step microseconds of ONE CUDA graph of CHAIN decode steps, each over its own cache
+    (``sets`` topped up with fresh ones), as a model's decode graph runs one step per layer:
+    a short step is not charged a whole graph launch as in ``_graph_time_or_none``."""
+    if CHAIN * 2 * b * KV * t * 128 * cache_dtype.itemsize > CHAIN_MAX_BYTES:
+        return None
+    more = _decode_sets(b, t, cache_dtype, CHAIN - len(sets))[0] if len(sets) < CHAIN else []
+    calls = [lambda a=a: fn(*a) for a in (list(sets) + more)[:CHAIN]]
+    try:
+        return graph_bench_chain(calls)["median_us"]
+    except Exception as exc:
+        print(f"    chain n/a: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _kernels(fn, args) -> str:
+    """``name us / name us ...``: mean GPU time of each kernel of one eager call (profiler)."""
+    table, _ = kernel_table(lambda: fn(*args))
+    return " / ".join(f"{r['kernel'].split('_kernel')[0][:24]} {r['us_per_step']}" for r in table)
+
+
 def _decode_set_count(b, t, itemsize):
     return copies_for_l2(2 * b * KV * t * 128 * itemsize, min_sets=1, max_sets=8)
 
@@ -299,6 +330,13 @@ def decode(rows, best, copy_tbs):
                 100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
             )
             row["cudnn_graph_us"] = _graph_time_or_none(sdpa["cudnn"], q_sets)
+            c_us = _chain_time_or_none(_decode_fn(p), sets, b, t, torch.bfloat16)
+            row["ours_chain_us"] = c_us
+            row["chain_pct_of_copy_bw"] = (
+                100 * nbytes / (c_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if c_us else None
+            )
+            if b == 1:
+                row["kernels_eager_us"] = _kernels(_decode_fn(p), sets[0])
             for v in DECODE_VARIANTS:
                 v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v)), sets)
                 row[f"ours_{v}_graph_us"] = v_us

@@ -30,30 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_sparse as bs  # noqa: E402
-from _harness import gpu_meta  # noqa: E402
+from _harness import gpu_meta, kernel_table  # noqa: E402
 
 T = 131072
 STEPS = 8
-
-
-def kernel_table(fn, n=20):
-    """Mean GPU time per call of every kernel ``fn`` launches (profiler), launch order."""
-    fn()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows.setdefault(ev.name, [0.0, 0, len(rows)])
-            r[0] += ev.device_time
-            r[1] += 1
-    out = [dict(kernel=k[:90], us_per_step=round(v[0] / n, 2), launches_per_step=v[1] / n)
-           for k, v in sorted(rows.items(), key=lambda kv: kv[1][2])]  # fmt: skip
-    return out, round(sum(r["us_per_step"] for r in out), 2)
 
 
 def main(argv=None):
