@@ -258,20 +258,17 @@ _VARIANTS = {
 
 
 # A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
-# bf16 activations; BLOCK_N 32, 2 stages, capped at 168 registers: 3 programs per SM, 40 bytes
-# of spills, the split plan at one wave of 3 per SM):
+# bf16 activations; BLOCK_N 32 capped at 168 registers: 3 programs per SM, the split plan at
+# one wave of them; 2 stages (40 bytes of spills), 3 (none) for splits of >= 8 tiles):
 # - prev: the uncapped build (209 registers, 2 per SM) with the plan's 4 per SM (<= 16 (row,
-#   KV head) pairs), the default until session 23;
-# - s3 / s1: 3 or 1 stages at the same cap, no spills (loop 1072 / 727 instructions vs 2
-#   stages' ~1000 with 10 LDL + 5 STL);
-# - n16s3: BLOCK_N 16, 3 stages (153 registers at the cap, no spills, 3 per SM);
-# - n16s3r128sm4: that tile capped at 128 registers, 4 per SM, no spills.
+#   KV head) pairs) and 2 stages, the default until session 23;
+# - s2 / s3 / s1: 2, 3 or 1 stages for every split at the cap (loop ~1000 instructions with 10
+#   LDL + 5 STL / 1072 / 727; the last two without spills).
 _CACHE_VARIANTS = {
-    "prev": dict(maxnreg=None, SM_PROGRAMS=None),
-    "s3": dict(num_stages=3),
-    "s1": dict(num_stages=1),
-    "n16s3": dict(BLOCK_N=16, num_stages=3),
-    "n16s3r128sm4": dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
+    "prev": dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None),
+    "s2": dict(LONG_SPLIT_STAGES=None),
+    "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None),
+    "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None),
 }
 
 

@@ -222,17 +222,19 @@ def test_select_2d_emission_compiles_without_division(extra):
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register
     cap so that ``SM_PROGRAMS`` programs are resident per SM (64K registers, 128 threads,
-    allocation in units of 8), which the split plan's one wave assumes; H=128 without spills."""
+    allocation in units of 8), which the split plan's one wave assumes, at its stages and at
+    ``LONG_SPLIT_STAGES`` (long splits); H=128 and the long-split build without spills."""
     import torch
 
     from longattn.sparse.triton.decode import decode_config
 
     cfg = decode_config(head, torch.float16, torch.int8, False)
     flags = f"HEAD={head},HEAD_PAD={head},BLOCK_N={cfg['BLOCK_N']}"
-    res = _sass("dsa-decode", "--cache", "i8", "--stages", str(cfg["num_stages"]),
-                "--warps", str(cfg["num_warps"]), "--maxnreg", str(cfg["maxnreg"]),
-                "--set", flags)  # fmt: skip
-    regs = -(-res["regs"] // 8) * 8
-    assert cfg["SM_PROGRAMS"] * regs * 32 * cfg["num_warps"] <= 65536, (res["regs"], cfg)
-    if head == 128:
-        assert res["stack"] == 0, res["stack"]
+    for stages in (cfg["num_stages"], cfg["LONG_SPLIT_STAGES"]):
+        res = _sass("dsa-decode", "--cache", "i8", "--stages", str(stages),
+                    "--warps", str(cfg["num_warps"]), "--maxnreg", str(cfg["maxnreg"]),
+                    "--set", flags)  # fmt: skip
+        regs = -(-res["regs"] // 8) * 8
+        assert cfg["SM_PROGRAMS"] * regs * 32 * cfg["num_warps"] <= 65536, (res["regs"], cfg)
+        if head == 128 or stages == cfg["LONG_SPLIT_STAGES"]:
+            assert res["stack"] == 0, (stages, res["stack"])

@@ -600,6 +600,33 @@ def test_dsa_sm_programs_checked(bad):
 
 
 @interpret
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_dsa_long_split_stages_checked(bad, monkeypatch):
+    """LONG_SPLIT_STAGES must be a positive int, checked before the prologue appends to the
+    cache (an error must leave the caches as they were)."""
+    calls = []
+    orig = decode.run_prologue
+    monkeypatch.setattr(decode, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    with pytest.raises(ValueError, match=r"cfg\['LONG_SPLIT_STAGES'\] must be a positive int"):
+        _run_with_splits(build(43, h=32), None, LONG_SPLIT_STAGES=bad)
+    assert calls == [], "the prologue ran before the config was checked"
+    _run_with_splits(build(43, h=32), None, LONG_SPLIT_STAGES=3)
+    assert calls == [1]
+
+
+def test_stages_for_chunk():
+    """Splits of >= LONG_SPLIT_TILES tiles take LONG_SPLIT_STAGES; shorter ones (and None)
+    keep the config's stages; the int8 default asks for 3 (bf16: no change)."""
+    tiles = decode.LONG_SPLIT_TILES
+    assert decode.stages_for_chunk(2, 3, tiles * 32, 32) == 3
+    assert decode.stages_for_chunk(2, 3, tiles * 32 - 32, 32) == 2
+    assert decode.stages_for_chunk(2, None, 100 * 32, 32) == 2
+    assert decode.decode_config(256, torch.float16, torch.int8, False)["LONG_SPLIT_STAGES"] == 3
+    assert "LONG_SPLIT_STAGES" not in decode.decode_config(256, torch.bfloat16, torch.bfloat16,
+                                                           False)  # fmt: skip
+
+
+@interpret
 def test_dsa_rotary_offset_uses_torch_prologue():
     kw = build(8, h=64, rotary_offset=16, m=20)
     check_dsa(kw)
@@ -868,10 +895,10 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(maxnreg=None, SM_PROGRAMS=None),  # the uncapped build (default until session 23)
-        dict(num_stages=3),
-        dict(num_stages=1),
-        dict(BLOCK_N=16, num_stages=3),
+        dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None),  # until session 23
+        dict(LONG_SPLIT_STAGES=None),
+        dict(num_stages=3, LONG_SPLIT_STAGES=None),
+        dict(num_stages=1, LONG_SPLIT_STAGES=None),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
     ],
 )

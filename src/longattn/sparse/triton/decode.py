@@ -411,8 +411,8 @@ def _pv_operands(q_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple:
 
 
 def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
-    """(BLOCK_N, num_warps, num_stages, int8: maxnreg and SM_PROGRAMS) of the split kernel,
-    keyed on head size and dtypes.
+    """(BLOCK_N, num_warps, num_stages; int8: maxnreg, SM_PROGRAMS, LONG_SPLIT_STAGES) of the
+    split kernel, keyed on head size and dtypes.
 
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
@@ -431,8 +431,23 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # H=128 none) with the plan at one wave of them. Same-process A/B on an H100
         # (ab_decode_options_h100.json, H=256, budget 8192, T=128K), uncapped -> this:
         # B=1 S=1 33.2 -> 27.3 us, S=8 153.8 -> 106.8; B=4 S=1 64.1 -> 54.6, S=8 455.9 -> 286.9.
-        cfg.update(maxnreg=168, SM_PROGRAMS=3)
+        # 3 stages are spill-free at the cap and pay once a split holds >= 8 tiles (same A/B,
+        # sparse_cache_h100.json: B=4 S=1 11 tiles 54.7 -> 52.2 us, B=1 S=8 29 tiles 106.3
+        # -> 101.6, B=4 S=8 86 tiles 282.6 -> 272.2), not at B=1 S=1 (3 tiles: 27.4 -> 29.9).
+        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3)
     return cfg
+
+
+LONG_SPLIT_TILES = 8  # a split of at least this many BLOCK_N tiles takes LONG_SPLIT_STAGES
+
+
+def stages_for_chunk(num_stages: int, long_split_stages, chunk: int, block_n: int) -> int:
+    """The split kernel's pipeline depth for splits of ``chunk`` candidates: the config's
+    ``LONG_SPLIT_STAGES`` (a positive int; None: no change) for splits of at least
+    LONG_SPLIT_TILES tiles, else ``num_stages``."""
+    if long_split_stages is None or chunk < LONG_SPLIT_TILES * block_n:
+        return num_stages
+    return long_split_stages
 
 
 def plan_splits(
@@ -537,10 +552,12 @@ def dsa_triton(
     ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
-    num_stages / FUSE_PROLOGUE / SM_PROGRAMS), ``num_splits`` and ``prologue`` ("triton" |
+    num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES), ``num_splits`` and
+    ``prologue`` ("triton" |
     "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``):
     at S = 1 the split kernel does the prologue's work itself (one launch fewer).
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
+    ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -560,6 +577,9 @@ def dsa_triton(
     sm_programs = cfg.pop("SM_PROGRAMS", None)  # host-side: the split plan's wave cap
     if sm_programs is not None and (type(sm_programs) is not int or sm_programs < 1):
         raise ValueError(f"cfg['SM_PROGRAMS'] must be a positive int, got {sm_programs!r}")
+    long_stages = cfg.pop("LONG_SPLIT_STAGES", None)  # host-side: see stages_for_chunk
+    if long_stages is not None and (type(long_stages) is not int or long_stages < 1):
+        raise ValueError(f"cfg['LONG_SPLIT_STAGES'] must be a positive int, got {long_stages!r}")
     fuse = fuse_prologue(cfg, s, use_triton)
     q_scale = None
     if fuse:
@@ -578,6 +598,7 @@ def dsa_triton(
     chunk, win_splits, sel_splits = plan_splits(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
+    cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
     lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
