@@ -2,6 +2,10 @@
 
     PYTHONPATH=src python benchmarks/ab_decode_options.py [--quick] [--out DIR]
 
+- ``gqa_fused``: GQA decode (bf16 activations, (N, KV) = (32, 8), H = 128, S = 1), default vs
+  ``FUSE_PROLOGUE`` interleaved (default, fused, default, fused), as one-call CUDA graphs and as
+  chained graphs of 4 steps over distinct caches: bf16 cache at B in {1, 8, 32} x T in {4K,
+  32K, 128K}, int8 cache at T = 128K.
 - ``dsa_int8``: DSA with an int8 main cache at budget 8192 (the sparse benchmark's geometry,
   H = 256, (N, KV) = (24, 4), T = 128K), CUDA-graph replays: the default config vs each of
   ``bench_sparse._CACHE_VARIANTS`` (the previous uncapped build, other stage counts and
@@ -24,10 +28,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_gqa as gqa  # noqa: E402
 import bench_sparse as sparse  # noqa: E402
 from _harness import gpu_meta, write_results  # noqa: E402
 
 DSA_VARIANTS = tuple(sparse._CACHE_VARIANTS)
+
+
+def gqa_fused_rows(quick: bool) -> list[dict]:
+    rows = []
+    shapes = [(torch.bfloat16, b, t) for b in ((1,) if quick else (1, 8, 32))
+              for t in (4096, 32768, 131072)]  # fmt: skip
+    shapes += [(torch.int8, b, 131072) for b in ((1,) if quick else (1, 8, 32))]
+    for dt, b, t in shapes:
+        sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
+        fns = {
+            "default": gqa._decode_fn(p),
+            "fused": gqa._decode_fn(p, gqa._variant_cfg(dt, "fused")),
+        }
+        row = dict(section="gqa_fused", cache=str(dt).removeprefix("torch."), B=b, T=t)
+        for rep in (1, 2):
+            for name, fn in fns.items():
+                row[f"{name}{rep}_graph_us"] = gqa._graph_time_or_none(fn, sets)
+                row[f"{name}{rep}_chain_us"] = gqa._chain_time_or_none(fn, sets, b, t, dt)
+        for kind in ("graph", "chain"):
+            base = [row[f"default{r}_{kind}_us"] for r in (1, 2)]
+            fused = [row[f"fused{r}_{kind}_us"] for r in (1, 2)]
+            if all(base) and all(fused):
+                row[f"fused_{kind}_speedup"] = min(base) / min(fused)
+        print(row, flush=True)
+        rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
 
 
 def dsa_int8_rows(quick: bool) -> list[dict]:
@@ -59,7 +92,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     meta = gpu_meta()
     print(meta, flush=True)
-    rows = dsa_int8_rows(args.quick)
+    rows = gqa_fused_rows(args.quick) + dsa_int8_rows(args.quick)
     notes = ["Same-process CUDA-graph replays (median over rotated input sets); see the module "
              "docstring for shapes. Command: PYTHONPATH=src python benchmarks/"
              "ab_decode_options.py"]  # fmt: skip
