@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python benchmarks/ab_decode_options.py [--quick] [--out DIR]
 
-- ``gqa_fused``: GQA decode (bf16 activations, (N, KV) = (32, 8), H = 128, S = 1), default vs
-  ``FUSE_PROLOGUE`` interleaved (default, fused, default, fused), as one-call CUDA graphs and as
+- ``gqa_fused``: GQA decode (bf16 activations, (N, KV) = (32, 8), H = 128, S = 1), default
+  (``FUSE_PROLOGUE`` on since session 23) vs the unfused prologue kernel + split kernel,
+  interleaved (default, unfused, default, unfused), as one-call CUDA graphs and as
   chained graphs of 4 steps over distinct caches: bf16 cache at B in {1, 8, 32} x T in {4K,
   32K, 128K}, int8 cache at T = 128K.
 - ``dsa_int8``: DSA with an int8 main cache at budget 8192 (the sparse benchmark's geometry,
@@ -13,7 +14,8 @@
 
 Session 23 (H100, ab_decode_options_h100.json) decided the int8 default (168-register cap, the
 split plan at one wave of 3 programs per SM) and removed the GQA decode ``FUSE_MERGE`` option
-(0.97-1.00x of the merge kernel at every shape).
+(0.97-1.00x of the merge kernel at every shape); ab_decode_options2_h100.json (then the fused
+variant vs the default) made GQA's ``FUSE_PROLOGUE`` the default at H <= 128.
 Writes ``ab_decode_options.{json,md}``; ``--quick``: B=1 rows only.
 """
 
@@ -42,10 +44,8 @@ def gqa_fused_rows(quick: bool) -> list[dict]:
     shapes += [(torch.int8, b, 131072) for b in ((1,) if quick else (1, 8, 32))]
     for dt, b, t in shapes:
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
-        fns = {
-            "default": gqa._decode_fn(p),
-            "fused": gqa._decode_fn(p, gqa._variant_cfg(dt, "fused")),
-        }
+        fns = {"default": gqa._decode_fn(p),
+               "unfused": gqa._decode_fn(p, gqa._variant_cfg(dt, "unfused"))}  # fmt: skip
         row = dict(section="gqa_fused", cache=str(dt).removeprefix("torch."), B=b, T=t)
         for rep in (1, 2):
             for name, fn in fns.items():
@@ -53,9 +53,9 @@ def gqa_fused_rows(quick: bool) -> list[dict]:
                 row[f"{name}{rep}_chain_us"] = gqa._chain_time_or_none(fn, sets, b, t, dt)
         for kind in ("graph", "chain"):
             base = [row[f"default{r}_{kind}_us"] for r in (1, 2)]
-            fused = [row[f"fused{r}_{kind}_us"] for r in (1, 2)]
-            if all(base) and all(fused):
-                row[f"fused_{kind}_speedup"] = min(base) / min(fused)
+            unfused = [row[f"unfused{r}_{kind}_us"] for r in (1, 2)]
+            if all(base) and all(unfused):
+                row[f"default_{kind}_speedup_vs_unfused"] = min(unfused) / min(base)
         print(row, flush=True)
         rows.append(row)
         del sets

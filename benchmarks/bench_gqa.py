@@ -264,16 +264,18 @@ def _decode_fn(p, cfg=None, splits=None):
     return fn
 
 
-# A/B variants of the decode and cache sections (S = 1 options, not defaults yet), row keys
-# ours_<name>_graph_us: FUSE_PROLOGUE (the split kernel does the prologue's work, one launch
-# fewer). FUSE_MERGE (the last split program merges) was measured 0.97-1.00x and removed.
-DECODE_VARIANTS = {"fused": "FUSE_PROLOGUE"}
+# A/B variants of the decode and cache sections (S = 1), row keys ours_<name>_graph_us:
+# "unfused": the prologue kernel + split kernel (FUSE_PROLOGUE off; the default fuses at
+# H <= 128 since session 23). FUSE_MERGE (the last split program merges) measured 0.97-1.00x
+# and was removed.
+DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False)}
 
 
 def _variant_cfg(cache_dtype, name):
-    """The default decode config plus the option of variant ``name`` (DECODE_VARIANTS)."""
+    """The default decode config with the option of variant ``name`` (DECODE_VARIANTS)."""
     dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
-    return dict(launch.decode_config(128, dot, cache_dtype, False), **{DECODE_VARIANTS[name]: True})
+    key, value = DECODE_VARIANTS[name]
+    return dict(launch.decode_config(128, dot, cache_dtype, False), **{key: value})
 
 
 CHAIN = 4  # decode steps over distinct caches in one graph (``ours_chain_us``)

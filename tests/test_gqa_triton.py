@@ -635,8 +635,9 @@ def test_decode_fused_gpu(name, option, device, monkeypatch):
     cache with window + softcap, fp32): the fused-away launch does not happen, fp64 tolerance,
     the reference's caches, and within two output roundings of the unfused tier."""
     c = GPU_CASES[name]
-    base = _run_and_check(c, device)
     key, launcher = FUSED_OPTIONS[option]
+    _decode_cfg_with(monkeypatch, **{key: False})  # the unfused tier (H<=128: not the default)
+    base = _run_and_check(c, device)
     calls = _count_calls(monkeypatch, launcher)
     _decode_cfg_with(monkeypatch, **{key: True})
     got = _run_and_check(c, device)
@@ -649,9 +650,8 @@ def test_decode_fused_gpu(name, option, device, monkeypatch):
 def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
-    without it bit for bit, replay after replay (also with the fused prologue)."""
-    if fused:
-        _fused_decode_config(monkeypatch)
+    without it bit for bit, replay after replay (with and without the fused prologue)."""
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16)  # fmt: skip
     query, key, value, pk, pv, seqlens, p = _build(c, device)

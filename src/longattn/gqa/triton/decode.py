@@ -331,8 +331,8 @@ def gqa_decode_split_kernel(
 
 
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel, keyed on head size, dot and cache
-    dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
+    """(BLOCK_N, num_warps, num_stages, FUSE_PROLOGUE) of the split kernel, keyed on head size,
+    dot and cache dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
     int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 658 us vs 699
     (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps) (session 10). With fp16 K
     (``int8x4_to_fp16``, power-of-two Q rows): B=8 / 32 628 / 2439 us, 1.52x / 1.56x the bf16
@@ -346,5 +346,12 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     block_n = 64 if head <= 128 else 32
     if cache_dtype == torch.int8:
-        return dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
+        cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
+    # S = 1: the split kernel does the prologue's work (``_triton_prologue.fuse_prologue``).
+    # H=128 same-process A/Bs on an H100 (sessions 21 and 23, ab_decode_options2_h100.json,
+    # interleaved twice): never slower beyond 1%, chained graphs 1.00-1.05x (bf16 B=1 T=4K
+    # 13.2 -> 12.7 us, int8 B=1 T=128K 106.2 -> 101.4), one-call graphs 0.99-1.04x.
+    cfg["FUSE_PROLOGUE"] = head <= 128
+    return cfg
