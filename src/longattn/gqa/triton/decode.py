@@ -10,8 +10,8 @@ for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 p
 The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
 (head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
 
-``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option, off by default until measured): the kernel
-takes the prologue's work (``longattn._triton_prologue``): each program computes its Q rows from
+``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option; the default at H <= 128 on the GPU, see
+``decode_config``; the interpreter config leaves it off): the kernel takes the prologue's work (``longattn._triton_prologue``): each program computes its Q rows from
 the raw query; the new token's row (the sequence's last key) is left out of every tile and folded
 in by the split whose range holds it, which also appends it to the cache after its reads.
 """
