@@ -259,14 +259,14 @@ _VARIANTS = {
 
 # A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
 # bf16 activations; BLOCK_N 32 capped at 168 registers: 3 programs per SM, the split plan at
-# one wave of them; 2 stages (40 bytes of spills), 3 (none) for splits of >= 8 tiles):
+# one wave of them; 1 stage, 3 for splits of >= 8 tiles, both without spills):
 # - prev: the uncapped build (209 registers, 2 per SM) with the plan's 4 per SM (<= 16 (row,
 #   KV head) pairs) and 2 stages, the default until session 23;
 # - s2 / s3 / s1: 2, 3 or 1 stages for every split at the cap (loop ~1000 instructions with 10
-#   LDL + 5 STL / 1072 / 727; the last two without spills).
+#   LDL + 5 STL / 1072 / 727).
 _CACHE_VARIANTS = {
-    "prev": dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None),
-    "s2": dict(LONG_SPLIT_STAGES=None),
+    "prev": dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None, num_stages=2),
+    "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None),
     "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None),
     "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None),
 }

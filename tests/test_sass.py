@@ -223,7 +223,8 @@ def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register
     cap so that ``SM_PROGRAMS`` programs are resident per SM (64K registers, 128 threads,
     allocation in units of 8), which the split plan's one wave assumes, at its stages and at
-    ``LONG_SPLIT_STAGES`` (long splits); H=128 and the long-split build without spills."""
+    ``LONG_SPLIT_STAGES`` (long splits), both without spills (H=256's 2-stage build spills 40
+    bytes at the cap)."""
     import torch
 
     from longattn.sparse.triton.decode import decode_config
@@ -236,5 +237,4 @@ def test_dsa_int8_default_build_fits_its_wave(head):
                     "--set", flags)  # fmt: skip
         regs = -(-res["regs"] // 8) * 8
         assert cfg["SM_PROGRAMS"] * regs * 32 * cfg["num_warps"] <= 65536, (res["regs"], cfg)
-        if head == 128 or stages == cfg["LONG_SPLIT_STAGES"]:
-            assert res["stack"] == 0, (stages, res["stack"])
+        assert res["stack"] == 0, (stages, res["stack"])  # no spills at the cap

@@ -895,8 +895,8 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None),  # until session 23
-        dict(LONG_SPLIT_STAGES=None),
+        dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None, num_stages=2),  # old
+        dict(num_stages=2, LONG_SPLIT_STAGES=None),
         dict(num_stages=3, LONG_SPLIT_STAGES=None),
         dict(num_stages=1, LONG_SPLIT_STAGES=None),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),

@@ -431,10 +431,14 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # H=128 none) with the plan at one wave of them. Same-process A/B on an H100
         # (ab_decode_options_h100.json, H=256, budget 8192, T=128K), uncapped -> this:
         # B=1 S=1 33.2 -> 27.3 us, S=8 153.8 -> 106.8; B=4 S=1 64.1 -> 54.6, S=8 455.9 -> 286.9.
-        # 3 stages are spill-free at the cap and pay once a split holds >= 8 tiles (same A/B,
-        # sparse_cache_h100.json: B=4 S=1 11 tiles 54.7 -> 52.2 us, B=1 S=8 29 tiles 106.3
-        # -> 101.6, B=4 S=8 86 tiles 282.6 -> 272.2), not at B=1 S=1 (3 tiles: 27.4 -> 29.9).
+        # At the cap only H=256's 2-stage build spills, and it was never the fastest (H100
+        # same-process rows, sparse_cache_h100.json / ab_decode_options2_h100.json, stages
+        # 1 / 2 / 3 in us): B=1 S=1 (3 tiles per split) 26.4 / 27.3 / 26.9-29.9, B=4 S=1 (11)
+        # 53.4 / 54.4 / 52.1, B=1 S=8 (29) 110.9 / 106.7 / 101.6, B=4 S=8 (86) 312.2 / 287.4
+        # / 270.3. So 1 stage, and 3 for splits of >= 8 tiles (LONG_SPLIT_STAGES).
         cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3)
+        if head > 128:
+            cfg["num_stages"] = 1
     return cfg
 
 
