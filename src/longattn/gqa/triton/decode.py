@@ -11,9 +11,10 @@ The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, t
 (head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
 
 ``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option; the default at H <= 128 on the GPU, see
-``decode_config``; the interpreter config leaves it off): the kernel takes the prologue's work (``longattn._triton_prologue``): each program computes its Q rows from
-the raw query; the new token's row (the sequence's last key) is left out of every tile and folded
-in by the split whose range holds it, which also appends it to the cache after its reads.
+``decode_config``; the interpreter config leaves it off): the kernel takes the prologue's work
+(``longattn._triton_prologue``): each program computes its Q rows from the raw query; the new
+token's row (the sequence's last key) is left out of every tile and folded in by the split whose
+range holds it, which also appends it to the cache after its reads.
 """
 
 from __future__ import annotations
@@ -332,7 +333,8 @@ def gqa_decode_split_kernel(
 
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
     """(BLOCK_N, num_warps, num_stages, FUSE_PROLOGUE) of the split kernel, keyed on head size,
-    dot and cache dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at B*T >= 256K.
+    dot and cache dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at
+    B*T >= 256K.
     int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 658 us vs 699
     (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps) (session 10). With fp16 K
     (``int8x4_to_fp16``, power-of-two Q rows): B=8 / 32 628 / 2439 us, 1.52x / 1.56x the bf16
