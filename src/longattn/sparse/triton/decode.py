@@ -454,6 +454,16 @@ def stages_for_chunk(num_stages: int, long_split_stages, chunk: int, block_n: in
     return long_split_stages
 
 
+def _pop_positive_int(cfg: dict, key: str) -> int | None:
+    """Remove host-side key ``key`` from ``cfg`` (it is no kernel argument) and return it: a
+    positive int, or None when absent; anything else (a float or bool would silently change
+    the plan) is a ValueError naming the key."""
+    value = cfg.pop(key, None)
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"cfg[{key!r}] must be a positive int, got {value!r}")
+    return value
+
+
 def plan_splits(
     rows: int, kv: int, window: int, max_sel: int, block_n: int, num_sms: int, num_splits=None,
     sm_programs: int | None = None,
@@ -557,8 +567,7 @@ def dsa_triton(
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
     num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES), ``num_splits`` and
-    ``prologue`` ("triton" |
-    "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``):
+    ``prologue`` ("triton" | "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``):
     at S = 1 the split kernel does the prologue's work itself (one launch fewer).
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
@@ -578,12 +587,8 @@ def dsa_triton(
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
-    sm_programs = cfg.pop("SM_PROGRAMS", None)  # host-side: the split plan's wave cap
-    if sm_programs is not None and (type(sm_programs) is not int or sm_programs < 1):
-        raise ValueError(f"cfg['SM_PROGRAMS'] must be a positive int, got {sm_programs!r}")
-    long_stages = cfg.pop("LONG_SPLIT_STAGES", None)  # host-side: see stages_for_chunk
-    if long_stages is not None and (type(long_stages) is not int or long_stages < 1):
-        raise ValueError(f"cfg['LONG_SPLIT_STAGES'] must be a positive int, got {long_stages!r}")
+    sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
+    long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
     fuse = fuse_prologue(cfg, s, use_triton)
     q_scale = None
     if fuse:
