@@ -282,20 +282,32 @@ CHAIN = 4  # decode steps over distinct caches in one graph (``ours_chain_us``)
 CHAIN_MAX_BYTES = 20e9  # K/V bytes of the chain's caches (B=32 T=128K needs 69 GB: skipped)
 
 
-def _chain_time_or_none(fn, sets, b, t, cache_dtype):
-    """Per-step microseconds of ONE CUDA graph of CHAIN decode steps, each over its own cache
-    (``sets`` topped up with fresh ones), as a model's decode graph runs one step per layer:
-    a short step is not charged a whole graph launch as in ``_graph_time_or_none``."""
+def _chain_sets(sets, b, t, cache_dtype):
+    """CHAIN input sets, each with its own cache (``sets`` topped up with fresh ones), for
+    ``_chain_time_or_none``; None where their caches would exceed CHAIN_MAX_BYTES."""
     if CHAIN * 2 * b * KV * t * 128 * cache_dtype.itemsize > CHAIN_MAX_BYTES:
         return None
     more = _decode_sets(b, t, cache_dtype, CHAIN - len(sets))[0] if len(sets) < CHAIN else []
-    calls = [lambda a=a: fn(*a) for a in (list(sets) + more)[:CHAIN]]
+    return (list(sets) + more)[:CHAIN]
+
+
+def _chain_time_or_none(fn, chain_sets):
+    """Per-step microseconds of ONE CUDA graph of ``fn`` over each of ``chain_sets``
+    (``_chain_sets``; None: None), as a model's decode graph runs one step per layer: a short
+    step is not charged a whole graph launch as in ``_graph_time_or_none``."""
+    if chain_sets is None:
+        return None
     try:
-        return graph_bench_chain(calls)["median_us"]
+        return graph_bench_chain([lambda a=a: fn(*a) for a in chain_sets])["median_us"]
     except Exception as exc:
         print(f"    chain n/a: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         torch.cuda.synchronize()
         return None
+
+
+def _pct_of_copy(nbytes, us, copy_tbs):
+    """Achieved bandwidth on ``nbytes`` in ``us`` microseconds, % of ``copy_tbs`` TB/s."""
+    return 100 * nbytes / (us * 1e-6) / (copy_tbs * 1e12) if us else None
 
 
 def _kernels(fn, args) -> str:
@@ -318,7 +330,7 @@ def decode(rows, best, copy_tbs):
             row = dict(section="decode", cache="bf16", B=b, T=t, KV_MB=nbytes / 1e6, ours_us=us)
             row["ours_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
             row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
-            row["pct_of_copy_bw"] = 100 * row["ours_GBps"] / (copy_tbs * 1e3) if us else None
+            row["pct_of_copy_bw"] = _pct_of_copy(nbytes, us, copy_tbs)
             q_sets = [
                 (torch.randn(b, N, 1, 128, device=DEV, dtype=torch.bfloat16), s[3], s[4], False)
                 for s in sets
@@ -328,23 +340,17 @@ def decode(rows, best, copy_tbs):
             g_us = _graph_time_or_none(_decode_fn(p), sets)
             row["ours_graph_us"] = g_us
             row["ours_graph_GBps"] = nbytes / (g_us * 1e-6) / 1e9 if g_us else None
-            row["graph_pct_of_copy_bw"] = (
-                100 * row["ours_graph_GBps"] / (copy_tbs * 1e3) if g_us else None
-            )
+            row["graph_pct_of_copy_bw"] = _pct_of_copy(nbytes, g_us, copy_tbs)
             row["cudnn_graph_us"] = _graph_time_or_none(sdpa["cudnn"], q_sets)
-            c_us = _chain_time_or_none(_decode_fn(p), sets, b, t, torch.bfloat16)
+            c_us = _chain_time_or_none(_decode_fn(p), _chain_sets(sets, b, t, torch.bfloat16))
             row["ours_chain_us"] = c_us
-            row["chain_pct_of_copy_bw"] = (
-                100 * nbytes / (c_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if c_us else None
-            )
+            row["chain_pct_of_copy_bw"] = _pct_of_copy(nbytes, c_us, copy_tbs)
             if b == 1:
                 row["kernels_eager_us"] = _kernels(_decode_fn(p), sets[0])
             for v in DECODE_VARIANTS:
                 v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v)), sets)
                 row[f"ours_{v}_graph_us"] = v_us
-                row[f"{v}_graph_pct_of_copy_bw"] = (
-                    100 * nbytes / (v_us * 1e-6) / 1e9 / (copy_tbs * 1e3) if v_us else None
-                )
+                row[f"{v}_graph_pct_of_copy_bw"] = _pct_of_copy(nbytes, v_us, copy_tbs)
             print(f"  {row}", flush=True)
             rows.append(row)
             del sets, q_sets

@@ -357,14 +357,9 @@ def _count_calls(monkeypatch, name: str) -> list:
     return calls
 
 
-# decode options that fuse a launch away: (config key, the launcher it makes unnecessary)
-FUSED_OPTIONS = {"prologue": ("FUSE_PROLOGUE", "run_prologue")}
-
-
 @pytest.mark.interpret
-@pytest.mark.parametrize("option", list(FUSED_OPTIONS))
 @pytest.mark.parametrize("name", list(FUSED_CASES))
-def test_decode_fused_interpret(name, option, device, monkeypatch):
+def test_decode_fused_prologue_interpret(name, device, monkeypatch):
     """``FUSE_PROLOGUE`` (S = 1: each split program computes its Q rows and the new K/V row;
     no tile reads the new row, the split whose range holds it folds it in and appends it): the
     fused-away launch does not happen; within the fp64 tolerance, the reference's caches
@@ -372,11 +367,10 @@ def test_decode_fused_interpret(name, option, device, monkeypatch):
     cache rows: a read of the not yet appended row would show)."""
     c = FUSED_CASES[name]
     base = _run_and_check(c, device)
-    key, launcher = FUSED_OPTIONS[option]
-    calls = _count_calls(monkeypatch, launcher)
-    _decode_cfg_with(monkeypatch, **{key: True})
+    calls = _count_calls(monkeypatch, "run_prologue")
+    _fused_decode_config(monkeypatch)
     got = _run_and_check(c, device)
-    assert calls == [], f"{key} launched {launcher}"
+    assert calls == [], "the fused path launched the prologue kernel"
     _assert_within_two_roundings(got, base)
 
 
@@ -628,21 +622,19 @@ def test_prefill_gluon_gate(device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", list(FUSED_OPTIONS))
 @pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.s == 1])
-def test_decode_fused_gpu(name, option, device, monkeypatch):
+def test_decode_fused_prologue_gpu(name, device, monkeypatch):
     """FUSE_PROLOGUE on real shapes (bf16, int8 per-channel with power-of-two Q rows, fp16
     cache with window + softcap, fp32): the fused-away launch does not happen, fp64 tolerance,
     the reference's caches, and within two output roundings of the unfused tier."""
     c = GPU_CASES[name]
-    key, launcher = FUSED_OPTIONS[option]
-    _decode_cfg_with(monkeypatch, **{key: False})  # the unfused tier (H<=128: not the default)
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=False)  # the unfused tier (H<=128: not default)
     base = _run_and_check(c, device)
-    calls = _count_calls(monkeypatch, launcher)
-    _decode_cfg_with(monkeypatch, **{key: True})
+    calls = _count_calls(monkeypatch, "run_prologue")
+    _fused_decode_config(monkeypatch)
     got = _run_and_check(c, device)
     _assert_within_two_roundings(got, base)
-    assert calls == [], f"{key} launched {launcher}"
+    assert calls == [], "the fused path launched the prologue kernel"
 
 
 @pytest.mark.gpu
