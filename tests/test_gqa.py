@@ -583,6 +583,31 @@ BAD = [
         "k_norm_weight",
     ),
     ("backend", lambda kw: dict(kw, backend="flash"), ValueError, "backend"),
+    # 1-D / row-major parameters the Triton kernels read with unit stride: refused when strided
+    (
+        "seqlens_k strided",
+        lambda kw: dict(kw, seqlens_k=torch.tensor([3, 0, 9, 0], dtype=torch.int32)[::2]),
+        ValueError,
+        "seqlens_k must be contiguous",
+    ),
+    (
+        "head_sink strided",
+        lambda kw: dict(kw, head_sink=torch.zeros(8)[::2]),
+        ValueError,
+        "head_sink must be contiguous",
+    ),
+    (
+        "q_norm_weight strided",
+        lambda kw: dict(kw, q_norm_weight=torch.ones(128)[::2]),
+        ValueError,
+        "q_norm_weight must be contiguous",
+    ),
+    (
+        "cos_cache column-major",
+        lambda kw: dict(_rot(kw), cos_cache=torch.ones(32, 32).t().contiguous().t()[:, :16]),
+        ValueError,
+        "cos_cache must be contiguous",
+    ),
 ]
 
 

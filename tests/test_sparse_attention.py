@@ -700,6 +700,20 @@ def test_strict_accepts_valid_selection():
         (dict(is_causal=False), ValueError, "is_causal"),
         (dict(backend="fast"), ValueError, "backend"),
         (dict(query_dtype=torch.int8), TypeError, "query_dtype"),
+        # 1-D parameters the Triton kernels read at ptr + i: a strided view is refused (it was
+        # read as if contiguous: wrong rows, and the new K/V row appended at the wrong slot)
+        (dict(head_sink=torch.zeros(4)[::2]), ValueError, "head_sink must be contiguous"),
+        (dict(q_norm_weight=torch.ones(16)[::2]), ValueError, "q_norm_weight must be contiguous"),
+        (dict(k_norm_weight=torch.ones(16)[1::2]), ValueError, "k_norm_weight must be contiguous"),
+        (
+            dict(
+                do_rotary=True,
+                cos_cache=torch.ones(10, 4),
+                sin_cache=torch.zeros(4, 10).t(),
+            ),
+            ValueError,
+            "sin_cache must be contiguous",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(change, exc, msg):
@@ -707,6 +721,15 @@ def test_bad_input_names_the_argument(change, exc, msg):
     kw.update(change)
     with pytest.raises(exc, match=msg):
         dynamic_sparse_attention(**kw)
+
+
+def test_strided_seqlens_k_is_refused():
+    kw = _simple(b=2)
+    kw["seqlens_k"] = torch.tensor([9, 0, 5, 0], dtype=torch.int32)[::2]  # values [9, 5]
+    with pytest.raises(ValueError, match="seqlens_k must be contiguous"):
+        dynamic_sparse_attention(**kw)
+    kw["seqlens_k"] = kw["seqlens_k"].contiguous()
+    dynamic_sparse_attention(**kw)
 
 
 def test_int8_cache_needs_scales():
@@ -823,3 +846,34 @@ def test_validate_off_out_of_range_seqlens_writes_nothing_outside(backend):
     assert torch.equal(pk[0, :, :9], kw["past_key"][0, :, :9])  # row 0 wrote only its qpos 9
     with pytest.raises(ValueError, match='validate must be True, False or "off"'):
         run(kw, backend=backend, validate=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty candidate sources.
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_empty_auxiliary_cache(backend):
+    """Auxiliary length 0 (no compressed block yet): only the local window is attended."""
+    kw = _simple(b=2, kv=1, total=10)
+    mode = dict(attention_mode="local_plus_selected", selected_kv_source="auxiliary",
+                local_window_size=4, backend=backend)  # fmt: skip
+    empty = torch.randn(2, 1, 0, 8)
+    out, _, _ = run(kw, auxiliary_key=empty, auxiliary_value=empty, **mode)
+    three = torch.randn(2, 1, 3, 8)  # a non-empty auxiliary cache, nothing selected from it
+    ref, _, _ = run(kw, auxiliary_key=three, auxiliary_value=three, **mode)
+    torch.testing.assert_close(out, ref)  # counts 0 either way: the same window
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_zero_width_selection(backend):
+    """max_selected = 0 (selected_indices [B*S, 0]): no candidate, output zeros."""
+    kw = _simple(b=2)
+    kw["selected_indices"] = torch.zeros(2, 0, dtype=torch.int32)
+    kw["selected_counts"] = torch.zeros(2, dtype=torch.int32)
+    out, pk, _ = run(kw, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(pk[:, :, 9], kw["key"].reshape(2, 1, 8))  # appended anyway
+    kw["selected_counts"] = torch.tensor([5, -2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="selected_counts must lie in"):
+        run(kw, validate=True, backend=backend)

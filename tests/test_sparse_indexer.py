@@ -272,6 +272,15 @@ def test_indexer_reads_the_cache_end_to_end():
         (dict(scale=-1.0), ValueError, "scale"),
         (dict(total_sequence_length=1000), ValueError, "total_sequence_length"),
         (dict(backend="cuda"), ValueError, "backend"),
+        (  # the Triton kernels read seqlens_k[b] at ptr + b
+            dict(
+                index_query=torch.randn(2, 1, 32),
+                index_block_keys=torch.randn(2, 10, 16),
+                seqlens_k=torch.tensor([30, 0, 22, 0], dtype=torch.int32)[::2],
+            ),
+            ValueError,
+            "seqlens_k must be contiguous",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(change, exc, msg):
@@ -350,3 +359,36 @@ def test_total_sequence_length_bounds_the_scored_blocks(backend):
     free = sparse_attention_indexer(iq, keys, sk, compress_ratio=8, token_budget=16,
                                     backend=backend)  # fmt: skip
     assert (free[0][0, :16] >= 5 * 8).all()  # without the bound the late blocks win
+
+
+def test_block_keys_need_rotary_rows_for_every_block():
+    keys = torch.randn(1, 64, 16)
+    cos, sin = rope_cache(10, 8)  # block 15 starts at position 60
+    with pytest.raises(ValueError, match="cos_cache/sin_cache have 10 rows"):
+        index_block_keys_from_keys(keys, compress_ratio=4, cos_cache=cos, sin_cache=sin)
+    with pytest.raises(ValueError, match="cos_cache/sin_cache have 10 rows"):
+        IndexBlockKeyCache(1, 64, 16, compress_ratio=4, cos_cache=cos, sin_cache=sin)
+    cos, sin = rope_cache(61, 8)  # exactly enough
+    index_block_keys_from_keys(keys, compress_ratio=4, cos_cache=cos, sin_cache=sin)
+    with pytest.raises(ValueError, match="rotary_offset must be a non-negative int"):
+        index_block_keys_from_keys(
+            keys, compress_ratio=4, cos_cache=cos, sin_cache=sin, rotary_offset=-2
+        )
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_nan_block_score_ranks_first(backend):
+    """A NaN block score ranks above every number (torch.sort's order), in every tier."""
+    gen = torch.Generator().manual_seed(3)
+    kb = torch.randn(1, 12, 16, generator=gen)
+    kb[0, 7] = float("nan")
+    q = torch.randn(1, 1, 32, generator=gen)
+    sl = torch.tensor([44], dtype=torch.int32)
+    idx, cnt = sparse_attention_indexer(q, kb, sl, compress_ratio=4, token_budget=12,
+                                        backend=backend)  # fmt: skip
+    ref, _ = sparse_attention_indexer(q, kb, sl, compress_ratio=4, token_budget=12,
+                                      backend="reference")  # fmt: skip
+    assert torch.equal(idx, ref)
+    chosen = idx[0, : cnt[0]].tolist()
+    assert set(range(28, 32)) <= set(chosen)  # block 7 (the NaN) is chosen
+    assert chosen == sorted(chosen) and max(chosen) <= 44

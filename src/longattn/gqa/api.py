@@ -200,8 +200,9 @@ def _cache_dtypes(act_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 
 
 def _check_float_opt(name, t, shape, device):
+    """An optional 1-D float parameter; unit stride (the Triton kernels read ptr + i)."""
     if t is not None:
-        check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=shape, device=device)
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, shape=shape, device=device, contiguous_last=True)
 
 
 def _check_scale(name: str, t, kv: int, h: int, device) -> None:
@@ -289,13 +290,21 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
         return
     if cos_cache is None or sin_cache is None:
         raise ValueError("do_rotary=True needs both cos_cache and sin_cache")
-    check_tensor("cos_cache", cos_cache, dtypes=FLOAT_DTYPES, ndim=2, device=query.device)
+    check_tensor(
+        "cos_cache",
+        cos_cache,
+        dtypes=FLOAT_DTYPES,
+        ndim=2,
+        device=query.device,
+        contiguous_last=True,
+    )
     check_tensor(
         "sin_cache",
         sin_cache,
         dtypes=(cos_cache.dtype,),
         shape=tuple(cos_cache.shape),
         device=query.device,
+        contiguous_last=True,
     )
     rot = 2 * cos_cache.shape[1]
     if rot == 0 or rot > h:
@@ -480,7 +489,14 @@ def group_query_attention(
         raise ValueError(
             f"query has S = {s} new tokens but total_sequence_length = {total} (need S <= T)"
         )
-    check_tensor("seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=query.device)
+    check_tensor(
+        "seqlens_k",
+        seqlens_k,
+        dtypes=(torch.int32,),
+        shape=(b,),
+        device=query.device,
+        contiguous_last=True,
+    )
     cache_dtype = _validate_past(past_key, past_value, query, kv_num_heads, h)
     past_cap = 0 if past_key is None else past_key.shape[2]
     first_prompt = s == total

@@ -109,7 +109,10 @@ def dsa_candidates(
 
 def gather_rows(cache: torch.Tensor, rows_b: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``cache [B, KV, C, H]``, batch of each row ``rows_b [R]``, positions ``pos [R, L]`` ->
-    ``[R, L, KV, H]`` in the cache's dtype (one gather, group heads share it)."""
+    ``[R, L, KV, H]`` in the cache's dtype (one gather, group heads share it). An empty cache
+    (an auxiliary cache of length 0: every entry is masked) gives zeros."""
+    if cache.shape[2] == 0:
+        return cache.new_zeros(pos.shape[0], pos.shape[1], cache.shape[1], cache.shape[3])
     return cache.permute(0, 2, 1, 3)[rows_b[:, None], pos]
 
 

@@ -400,7 +400,9 @@ def dynamic_sparse_attention(
     t_max = check_positive_int("total_sequence_length", total_sequence_length)
     if s > t_max:
         raise ValueError(f"S = {s} new tokens exceed total_sequence_length = {t_max}")
-    check_tensor("seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=dev)
+    check_tensor(
+        "seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=dev, contiguous_last=True
+    )
     if not isinstance(is_causal, bool) and is_causal not in (0, 1):
         raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     if not is_causal:
@@ -525,6 +527,7 @@ def dynamic_sparse_attention(
             dtypes=(cos_cache.dtype,),
             shape=tuple(cos_cache.shape),
             device=dev,
+            contiguous_last=True,
         )
         rot = 2 * cos_cache.shape[1]
         if not isinstance(rotary_offset, int) or rotary_offset < 0:
@@ -538,13 +541,11 @@ def dynamic_sparse_attention(
             check_tensor("position_ids", position_ids, dtypes=_INDEX, shape=(b, s), device=dev)
     else:
         cos_cache = sin_cache = position_ids = None
-    q_norm_weight = _check_opt(
-        "q_norm_weight", q_norm_weight, dtypes=_FLOATS, shape=(h,), device=dev
-    )
-    k_norm_weight = _check_opt(
-        "k_norm_weight", k_norm_weight, dtypes=_FLOATS, shape=(h,), device=dev
-    )
-    head_sink = _check_opt("head_sink", head_sink, dtypes=_FLOATS, shape=(n,), device=dev)
+    # 1-D parameters: the Triton kernels read element i at ptr + i (unit stride)
+    vec = dict(dtypes=_FLOATS, device=dev, contiguous_last=True)
+    q_norm_weight = _check_opt("q_norm_weight", q_norm_weight, shape=(h,), **vec)
+    k_norm_weight = _check_opt("k_norm_weight", k_norm_weight, shape=(h,), **vec)
+    head_sink = _check_opt("head_sink", head_sink, shape=(n,), **vec)
     if scale is None or scale == 0:
         scale = 1.0 / math.sqrt(h)
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -582,7 +583,7 @@ def dynamic_sparse_attention(
             )
         if check_pos:
             check_position_range(*ranges[1], cos_cache.shape[0])
-        if (validate is True or _strict_env()) and selected_indices.numel():
+        if validate is True or _strict_env():  # (max_selected = 0 included: counts checked)
             aux = selected_kv_source == "auxiliary"
             validate_selection(
                 selected_indices,

@@ -105,7 +105,8 @@ def dsa_chunked(
 def _select_topk(scores: torch.Tensor, n_sel: torch.Tensor, kb: int) -> torch.Tensor:
     """Ascending ids ``[R, kb]`` of each row's ``n_sel`` best blocks (ties: lower index).
 
-    ``scores [R, NB]`` with ``-inf`` at invisible blocks (``n_sel`` <= visible count).
+    ``scores [R, NB]`` with ``-inf`` at invisible blocks (``n_sel`` <= visible count); NaN
+    scores rank above +inf, as in the reference's sort.
     Slots past ``n_sel`` hold the sentinel NB. No host synchronization.
     """
     rows, nb = scores.shape
@@ -116,8 +117,10 @@ def _select_topk(scores: torch.Tensor, n_sel: torch.Tensor, kb: int) -> torch.Te
         return blocks[:, :kb]
     top = scores.topk(kk, dim=-1).values  # [R, kk], descending
     kth = top.gather(1, (n_sel.clamp(1, kk) - 1)[:, None])  # [R, 1]
-    above = scores > kth
-    tied = scores == kth
+    # NaN ranks above every number (as torch.sort / topk order it): compare (is_nan, value)
+    nan, kth_nan = scores.isnan(), kth.isnan()
+    above = ~kth_nan & ((scores > kth) | nan)
+    tied = torch.where(kth_nan, nan, scores == kth)
     need = n_sel[:, None] - above.sum(-1, keepdim=True)
     chosen = above | (tied & (tied.cumsum(-1) <= need))
     chosen = chosen & (n_sel > 0)[:, None]

@@ -65,6 +65,9 @@ def _finalize_block_keys(
 
 
 def _check_block_key_params(head_dim, norm_weight, cos_cache, sin_cache, rotary_offset, device):
+    """Validate the block-key parameters (the cos/sin rows: ``_check_rotary_rows``)."""
+    if not isinstance(rotary_offset, int) or isinstance(rotary_offset, bool) or rotary_offset < 0:
+        raise ValueError(f"rotary_offset must be a non-negative int, got {rotary_offset!r}")
     if norm_weight is not None:
         check_tensor("norm_weight", norm_weight, dtypes=_FLOATS, shape=(head_dim,), device=device)
     if (cos_cache is None) != (sin_cache is None):
@@ -72,7 +75,11 @@ def _check_block_key_params(head_dim, norm_weight, cos_cache, sin_cache, rotary_
     if cos_cache is not None:
         check_tensor("cos_cache", cos_cache, dtypes=_FLOATS, ndim=2, device=device)
         check_tensor(
-            "sin_cache", sin_cache, dtypes=(cos_cache.dtype,), shape=tuple(cos_cache.shape)
+            "sin_cache",
+            sin_cache,
+            dtypes=(cos_cache.dtype,),
+            shape=tuple(cos_cache.shape),
+            device=device,
         )
         rot = 2 * cos_cache.shape[1]
         if rot == 0 or rot + rotary_offset > head_dim:
@@ -80,6 +87,17 @@ def _check_block_key_params(head_dim, norm_weight, cos_cache, sin_cache, rotary_
                 f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, index_head_dim - "
                 f"rotary_offset] = [2, {head_dim} - {rotary_offset}]"
             )
+
+
+def _check_rotary_rows(cos_cache, num_blocks: int, compress_ratio: int, what: str) -> None:
+    """The cos/sin caches must hold the first position ``(num_blocks - 1) * r`` of the last
+    complete block (incomplete blocks' keys are never read: their positions are clamped)."""
+    need = (num_blocks - 1) * compress_ratio + 1
+    if cos_cache is not None and num_blocks > 0 and cos_cache.shape[0] < need:
+        raise ValueError(
+            f"cos_cache/sin_cache have {cos_cache.shape[0]} rows; {what} needs {need} (block "
+            f"{num_blocks - 1} starts at position {need - 1})"
+        )
 
 
 def index_block_keys_from_keys(
@@ -109,6 +127,7 @@ def index_block_keys_from_keys(
     r = check_positive_int("compress_ratio", compress_ratio)
     b, t, d = index_keys.shape
     _check_block_key_params(d, norm_weight, cos_cache, sin_cache, rotary_offset, index_keys.device)
+    _check_rotary_rows(cos_cache, t // r, r, f"index_keys of {t} tokens")
     dtype = torch.float64 if index_keys.dtype == torch.float64 else torch.float32
     nb = t // r
     sums = index_keys[:, : nb * r].to(dtype).reshape(b, nb, r, d).sum(2)
@@ -165,6 +184,8 @@ class IndexBlockKeyCache:
         _check_block_key_params(
             index_head_dim, norm_weight, cos_cache, sin_cache, rotary_offset, device
         )
+        _check_rotary_rows(cos_cache, max_tokens // compress_ratio, compress_ratio,
+                           f"max_tokens={max_tokens}")  # fmt: skip
         self.max_blocks = max_tokens // compress_ratio + 1  # + the trailing partial block
         self.norm_weight = norm_weight
         self.cos_cache, self.sin_cache = cos_cache, sin_cache
@@ -201,7 +222,13 @@ class IndexBlockKeyCache:
             valid = torch.ones((b, s), dtype=torch.bool, device=index_keys.device)
             added = torch.full((b,), s, dtype=torch.int64, device=index_keys.device)
         else:
-            check_tensor("num_new", num_new, dtypes=(torch.int32, torch.int64), shape=(b,))
+            check_tensor(
+                "num_new",
+                num_new,
+                dtypes=(torch.int32, torch.int64),
+                shape=(b,),
+                device=self.lengths.device,
+            )
             added = num_new.to(torch.int64).clamp(0, s)
             valid = ar[None, :] < added[:, None]
         self._appended_bound += s
@@ -398,7 +425,9 @@ def sparse_attention_indexer(
             f"index_query.shape[-1] = {dq} must be num_index_heads * index_head_dim "
             f"(index_head_dim = index_block_keys.shape[-1] = {di})"
         )
-    check_tensor("seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=dev)
+    check_tensor(
+        "seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=dev, contiguous_last=True
+    )
     r = check_positive_int("compress_ratio", compress_ratio)
     budget = check_positive_int("token_budget", token_budget)
     if scale is None or scale == 0:

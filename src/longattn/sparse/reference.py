@@ -62,7 +62,9 @@ def dsa_reference(
     v = torch.where(ok[:, :, None, None], v, torch.zeros((), dtype=dtype, device=v.device))
     x = torch.einsum("rkgh,rlkh->rkgl", q, k) * p.scale  # [R, KV, G, L]
     x = torch.where(ok[:, None, None, :], x, torch.full((), float("-inf"), dtype=dtype))
-    m = x.amax(-1)  # [R, KV, G]
+    # max over no candidate (L = 0: an empty selection without a window) is -inf, as over
+    # candidates that are all invalid
+    m = x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))  # [R, KV, G]
     sink = dsa_sink(p, dtype, query.device)
     if sink is not None:
         m = torch.maximum(m, sink)
