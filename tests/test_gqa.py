@@ -583,6 +583,12 @@ BAD = [
         "k_norm_weight",
     ),
     ("backend", lambda kw: dict(kw, backend="flash"), ValueError, "backend"),
+    (
+        "past_key is past_value",
+        lambda kw: dict(kw, past_value=kw["past_key"]),
+        ValueError,
+        "past_key and past_value must be different tensors",
+    ),
     # 1-D / row-major parameters the Triton kernels read with unit stride: refused when strided
     (
         "seqlens_k strided",
@@ -765,6 +771,42 @@ def test_torch_compile_fullgraph(phase):
     )
     for a, b in zip(got, want):
         assert torch.equal(cache_bits(a), cache_bits(b))
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_empty_batch(backend):
+    """B = 0: empty outputs, no reshape error."""
+    n, kv, h = 4, 2, 16
+    out, pk, _ = group_query_attention(
+        torch.randn(0, 1, n * h), torch.randn(0, 1, kv * h), torch.randn(0, 1, kv * h),
+        torch.randn(0, kv, 8, h), torch.randn(0, kv, 8, h),
+        seqlens_k=torch.zeros(0, dtype=torch.int32), total_sequence_length=5, num_heads=n,
+        kv_num_heads=kv, backend=backend,
+    )  # fmt: skip
+    assert out.shape == (0, 1, n * h) and pk.shape == (0, kv, 8, h)
+
+
+def test_torch_compile_decode_loop_does_not_recompile_per_token():
+    """A compiled decode step called with a growing total_sequence_length compiles at most
+    twice (the int turns dynamic), instead of once per token until the recompile limit."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    b, n, kv, h, cap = 2, 4, 2, 16, 32
+    pk, pv = torch.randn(b, kv, cap, h), torch.randn(b, kv, cap, h)
+
+    def step(q, k, v, total):
+        sl = torch.full((b,), total - 1, dtype=torch.int32)
+        return group_query_attention(q, k, v, pk, pv, seqlens_k=sl, total_sequence_length=total,
+                                     num_heads=n, kv_num_heads=kv, backend="chunked")  # fmt: skip
+
+    fn = torch.compile(step, fullgraph=True)
+    for total in range(10, 16):
+        q, k, v = torch.randn(b, 1, n * h), torch.randn(b, 1, kv * h), torch.randn(b, 1, kv * h)
+        got = fn(q, k, v, total)[0]
+        torch.testing.assert_close(got, step(q, k, v, total)[0], rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] <= 2
 
 
 @pytest.mark.gpu

@@ -554,6 +554,41 @@ def test_bad_shapes_and_dtypes():
          value_cache=bt.value_cache.transpose(0, 1).contiguous().transpose(0, 1))  # fmt: skip
     _bad(bt, "head_sink must have shape", head_sink=torch.zeros(3))
     _bad(bt, "backend must be one of", backend="cuda")
+    _bad(bt, "validate must be a bool", TypeError, validate=1)
+    _bad(bt, "softcap must be >= 0", softcap="x")
+    _bad(bt, "scale must be a finite float", scale="x")
+    _bad(bt, "qk_norm_epsilon must be a float >= 0", qk_norm_epsilon=-1e-6)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with stride 2 in the last dim."""
+    return torch.stack((t, torch.zeros_like(t)), -1).flatten(-2)[..., ::2]
+
+
+def test_strided_index_and_parameter_tensors_are_refused():
+    """The Triton kernels read these at ptr + i: a strided view was read as if contiguous
+    (wrong output, cache writes to the wrong slots, or a crash), so it is refused."""
+    bt = make_batch(Case(block_size=16, dtype=FP32, rotary="none", seed=22))
+    for name, value in (
+        ("cumulative_sequence_length", _strided(bt.cu)),
+        ("past_seqlens", _strided(bt.past)),
+        ("block_table", _strided(bt.table)),
+        ("head_sink", _strided(torch.zeros(bt.case.num_heads))),
+        ("q_norm_weight", _strided(torch.ones(bt.case.head_size))),
+        ("k_norm_weight", _strided(torch.ones(bt.case.head_size))),
+    ):
+        _bad(bt, f"{name} must be contiguous", **{name: value})
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_no_new_tokens(backend):
+    """A batch whose sequences all have 0 new tokens: an empty [0, N*H] output."""
+    bt = make_batch(Case(block_size=16, dtype=FP32, seed=22))
+    cu = torch.zeros_like(bt.cu)
+    q, k, v = bt.query[:0], bt.key[:0], bt.value[:0]
+    out = paged_attention(q, k, v, bt.key_cache.clone(), bt.value_cache.clone(), cu, bt.past,
+                          bt.table, backend=backend, **bt.kw)  # fmt: skip
+    assert out.shape == (0, bt.query.shape[1])
 
 
 def test_validate_false_is_memory_safe_and_skips_checks():

@@ -400,3 +400,28 @@ def test_decode_cuda_graph_capturable(device):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
     torch.testing.assert_close(kc2, kc1, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cu", [[0, 1, 5], [-3, 1, 4]])
+def test_bad_cu_seqlens_stay_in_bounds(cu, device):
+    """validate=False with cu_seqlens past the tokens (or negative): query rows outside
+    [0, tokens) are skipped instead of read / written out of bounds (this crashed the process
+    before), and the rows of well-formed sequences match the chunked tier."""
+    from longattn import paged_attention
+
+    g = torch.Generator().manual_seed(5)
+    n, kv, h, bs = 4, 2, 16, 4
+    q, k, v = (torch.randn(4, x * h, generator=g).to(device) for x in (n, kv, kv))
+    kc = torch.randn(16, bs, kv, h, generator=g).to(device)
+    vc = torch.randn(16, bs, kv, h, generator=g).to(device)
+    past = torch.tensor([5, 2], dtype=torch.int32, device=device)
+    table = torch.tensor([[4, 2], [6, 5]], dtype=torch.int32, device=device)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    outs = []
+    for backend in ("chunked", "triton"):
+        outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), cu_t, past, table,
+                                    num_heads=n, kv_num_heads=kv, backend=backend,
+                                    validate=False))  # fmt: skip
+    ok_rows = slice(0, 4) if cu[0] == 0 else slice(1, 4)  # rows of sequence 1 / 0 and 1
+    torch.testing.assert_close(outs[1][ok_rows], outs[0][ok_rows], atol=1e-5, rtol=1e-5)

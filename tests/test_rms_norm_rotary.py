@@ -257,6 +257,8 @@ def _good():
          "rotary_dim"),
         (lambda a: a.update(rotary_offset=8), ValueError, "rotary_dim"),
         (lambda a: a.update(rotary_offset=-2), ValueError, "rotary_offset"),
+        (lambda a: a.update(rotary_offset=True), ValueError, "rotary_offset must be a non-negative"),
+        (lambda a: a.update(epsilon=-1e-6), ValueError, "epsilon must be a float >= 0"),
         (lambda a: a.update(pos=torch.zeros(1, 5, dtype=torch.int64)), ValueError, "position_ids"),
         (lambda a: a.update(pos=a["pos"].float()), TypeError, "position_ids"),
         (lambda a: a.update(pos=a["pos"] + 1000), ValueError, r"position_ids must lie in \[0, 512\)"),
@@ -272,12 +274,13 @@ def _good():
 def test_bad_input(mutate, exc, match):
     x, w, cos, sin, pos = _good()
     a = dict(x=x, weight=w, cos=cos, sin=sin, pos=pos, num_heads=2, rotary_offset=0,
-             out_dtype=None, backend="auto")  # fmt: skip
+             out_dtype=None, backend="auto", epsilon=1e-6)  # fmt: skip
     mutate(a)
     with pytest.raises(exc, match=match):
         longattn.rms_norm_rotary(a["x"], a["weight"], a["cos"], a["sin"], a["pos"],
                                  num_heads=a["num_heads"], rotary_offset=a["rotary_offset"],
-                                 out_dtype=a["out_dtype"], backend=a["backend"])  # fmt: skip
+                                 out_dtype=a["out_dtype"], backend=a["backend"],
+                                 epsilon=a["epsilon"])  # fmt: skip
 
 
 def test_explicit_triton_bf16_on_cpu_names_the_gate():

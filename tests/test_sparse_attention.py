@@ -703,6 +703,7 @@ def test_strict_accepts_valid_selection():
         # 1-D parameters the Triton kernels read at ptr + i: a strided view is refused (it was
         # read as if contiguous: wrong rows, and the new K/V row appended at the wrong slot)
         (dict(head_sink=torch.zeros(4)[::2]), ValueError, "head_sink must be contiguous"),
+        (dict(past_value="past_key"), ValueError, "must be different tensors"),
         (dict(q_norm_weight=torch.ones(16)[::2]), ValueError, "q_norm_weight must be contiguous"),
         (dict(k_norm_weight=torch.ones(16)[1::2]), ValueError, "k_norm_weight must be contiguous"),
         (
@@ -719,6 +720,8 @@ def test_strict_accepts_valid_selection():
 def test_bad_input_names_the_argument(change, exc, msg):
     kw = _simple()
     kw.update(change)
+    if kw["past_value"] == "past_key":  # the same tensor for both caches
+        kw["past_value"] = kw["past_key"]
     with pytest.raises(exc, match=msg):
         dynamic_sparse_attention(**kw)
 
@@ -877,3 +880,27 @@ def test_zero_width_selection(backend):
     kw["selected_counts"] = torch.tensor([5, -2], dtype=torch.int32)
     with pytest.raises(ValueError, match="selected_counts must lie in"):
         run(kw, validate=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", TIERS)
+def test_window_wider_than_context_is_the_whole_context(backend, monkeypatch):
+    """W > T: the tiers get W = T (the same candidates; W = 10**6 used to build 10**6 slots
+    per row in the torch tiers and plan as many in Triton)."""
+    from longattn.sparse import api as sparse_api
+
+    seen = []
+    real_run = sparse_api._run
+
+    def spy(*args):
+        seen.append(args[-2].local_window_size)  # (..., p, backend)
+        return real_run(*args)
+
+    monkeypatch.setattr(sparse_api, "_run", spy)
+    kw = _simple(b=2, total=10)
+    aux = torch.randn(2, 1, 3, 8)
+    mode = dict(attention_mode="local_plus_selected", selected_kv_source="auxiliary",
+                auxiliary_key=aux, auxiliary_value=aux, backend=backend)  # fmt: skip
+    wide, _, _ = run(kw, local_window_size=10**6, **mode)
+    exact, _, _ = run(kw, local_window_size=10, **mode)
+    assert seen == [10, 10]
+    assert torch.equal(wide, exact)

@@ -319,7 +319,8 @@ def _block_logits(
 ) -> torch.Tensor:
     """Masked logits [B, KV, G, S, Tc]; q5 [B, KV, G, S, H], k [B, KV, Tc, H] (compute dtype)."""
     b, kv, g, s, h = q5.shape
-    x = torch.matmul(q5.reshape(b, kv, g * s, h), k.transpose(-1, -2)).view(b, kv, g, s, -1)
+    tc = k.shape[2]
+    x = torch.matmul(q5.reshape(b, kv, g * s, h), k.transpose(-1, -2)).view(b, kv, g, s, tc)
     x = x * scale
     if softcap > 0:
         x = softcap * torch.tanh(x / softcap)

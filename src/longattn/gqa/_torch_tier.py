@@ -49,4 +49,4 @@ def run_torch_tier(
         sink=sink_logits(p.head_sink, p.smooth_softmax, p.num_heads, query.device),
         **attend_kw,
     )
-    return out.reshape(b, s, -1).to(query.dtype)
+    return out.reshape(b, s, p.num_heads * p.head_size).to(query.dtype)  # (B may be 0)

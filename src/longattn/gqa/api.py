@@ -257,6 +257,8 @@ def _validate_past(past_key, past_value, query, kv_num_heads, h):
         raise ValueError("past_key and past_value must both be given or both be None")
     if past_key is None:
         return query.dtype
+    if past_key is past_value:
+        raise ValueError("past_key and past_value must be different tensors (got the same one)")
     b = query.shape[0]
     check_tensor(
         "past_key",
@@ -478,7 +480,12 @@ def group_query_attention(
             f"got {type(total_sequence_length).__name__}"
         )
     try:
-        total = operator.index(total_sequence_length)
+        # under torch.compile the traced int stays symbolic (operator.index would specialize
+        # it: one recompile per decode step, then the recompile limit)
+        if torch.compiler.is_compiling() and isinstance(total_sequence_length, int):
+            total = total_sequence_length
+        else:
+            total = operator.index(total_sequence_length)
     except TypeError:
         raise TypeError(
             f"total_sequence_length must be a host int, got {type(total_sequence_length).__name__}"

@@ -71,7 +71,10 @@ def check_scales(k_scale, v_scale, cache_dtype: torch.dtype, kv: int, h: int, de
 
 
 def check_index(name: str, t: object, shape, device) -> torch.Tensor:
-    return check_tensor(name, t, dtypes=(torch.int32,), shape=shape, device=device)
+    """An int32 index tensor; unit stride in its last dim (the Triton kernels read ptr + i)."""
+    return check_tensor(
+        name, t, dtypes=(torch.int32,), shape=shape, device=device, contiguous_last=True
+    )
 
 
 def _first_true(mask: torch.Tensor) -> tuple[int, ...]:

@@ -7,7 +7,14 @@ import math
 import torch
 
 from .. import _cascade
-from .._common import FLOAT_DTYPES, call_op, check_positive_int, check_tensor, data_checks_allowed
+from .._common import (
+    FLOAT_DTYPES,
+    call_op,
+    check_bool,
+    check_positive_int,
+    check_tensor,
+    data_checks_allowed,
+)
 from . import _validate
 from ._params import PagedParams
 from .chunked import paged_attention_chunked
@@ -132,6 +139,10 @@ def _(query, key, value, key_cache, value_cache, cumulative_sequence_length, pas
     return query.new_empty((query.shape[0], num_heads * key_cache.shape[-1]))
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def validate_inputs(
     query, key, value, key_cache, value_cache, cu, past, table, *, num_heads, kv_num_heads,
     cos_cache, sin_cache, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, scale,
@@ -173,7 +184,8 @@ def validate_inputs(
                          contiguous_last=True)  # fmt: skip
     _validate.check_activation_cache_dtypes(act, key_cache.dtype)
     _validate.check_scales(k_scale, v_scale, key_cache.dtype, kv, h, dev)
-    check_tensor("cumulative_sequence_length", cu, dtypes=(torch.int32,), ndim=1, device=dev)
+    check_tensor("cumulative_sequence_length", cu, dtypes=(torch.int32,), ndim=1, device=dev,
+                 contiguous_last=True)  # fmt: skip
     if cu.shape[0] < 2:
         raise ValueError(
             f"cumulative_sequence_length must be [batch + 1] with batch >= 1, got {tuple(cu.shape)}"
@@ -198,21 +210,23 @@ def validate_inputs(
     elif cos_cache is not None or sin_cache is not None:
         raise ValueError("cos_cache/sin_cache given but do_rotary=False")
     if head_sink is not None:
-        check_tensor("head_sink", head_sink, dtypes=FLOAT_DTYPES, shape=(num_heads,), device=dev)
+        check_tensor("head_sink", head_sink, dtypes=FLOAT_DTYPES, shape=(num_heads,), device=dev,
+                     contiguous_last=True)  # fmt: skip
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None:
-            check_tensor(name, w, dtypes=FLOAT_DTYPES, shape=(h,), device=dev)
+            check_tensor(name, w, dtypes=FLOAT_DTYPES, shape=(h,), device=dev,
+                         contiguous_last=True)  # fmt: skip
     if (
         not isinstance(local_window_size, int)
         or isinstance(local_window_size, bool)
         or (local_window_size == 0 or local_window_size < -1)
     ):
         raise ValueError(f"local_window_size must be -1 (off) or > 0, got {local_window_size!r}")
-    if not math.isfinite(float(softcap)) or softcap < 0:
+    if not _is_real(softcap) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
     if scale is None or scale == 0:
         return 1.0 / math.sqrt(h)
-    if not math.isfinite(float(scale)) or scale < 0:
+    if not _is_real(scale) or not math.isfinite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
         )
@@ -325,6 +339,9 @@ def paged_attention(
         k_norm_weight=k_norm_weight, k_scale=k_scale, v_scale=v_scale, scale=scale,
         softcap=softcap, local_window_size=local_window_size, do_rotary=do_rotary,
     )  # fmt: skip
+    check_bool("validate", validate)
+    if not _is_real(qk_norm_epsilon) or not qk_norm_epsilon >= 0.0:
+        raise ValueError(f"qk_norm_epsilon must be a float >= 0, got {qk_norm_epsilon!r}")
     if validate and data_checks_allowed(cumulative_sequence_length):
         _check_data(cumulative_sequence_length, past_seqlens, block_table,
                     tokens=query.shape[0], block_size=key_cache.shape[1],

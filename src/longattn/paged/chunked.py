@@ -49,4 +49,4 @@ def paged_attention_chunked(
             qpos_offsets=(past - off, past - off),
         )
         out[t0:t1] = o[0]
-    return out.reshape(query.shape[0], -1).to(query.dtype)
+    return out.flatten(1).to(query.dtype)  # [tokens, N*H] (tokens may be 0)

@@ -164,7 +164,7 @@ def validate_args(
     rot_dim = 2 * cos_cache.shape[1]
     if rot_dim == 0:
         raise ValueError("cos_cache must have rotary_dim / 2 >= 1 columns, got 0")
-    if not isinstance(rotary_offset, int) or rotary_offset < 0:
+    if not isinstance(rotary_offset, int) or isinstance(rotary_offset, bool) or rotary_offset < 0:
         raise ValueError(f"rotary_offset must be a non-negative int, got {rotary_offset!r}")
     if rot_dim > head - rotary_offset:
         raise ValueError(
@@ -235,6 +235,8 @@ def rms_norm_rotary(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
     check_bool("validate", validate)
+    if not isinstance(epsilon, int | float) or isinstance(epsilon, bool) or not epsilon >= 0.0:
+        raise ValueError(f"epsilon must be a float >= 0, got {epsilon!r}")
     if validate and position_ids is not None and position_ids.numel():
         if data_checks_allowed(position_ids):
             check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])

@@ -435,6 +435,8 @@ def dynamic_sparse_attention(
     # main cache
     if (past_key is None) != (past_value is None):
         raise ValueError("past_key and past_value must be given together (or neither)")
+    if past_key is not None and past_key is past_value:
+        raise ValueError("past_key and past_value must be different tensors (got the same one)")
     if past_key is not None:
         check_tensor(
             "past_key",
@@ -596,6 +598,9 @@ def dynamic_sparse_attention(
                 local_window_size=local_window_size,
             )
 
+    # A window wider than the context covers every earlier position (qpos < T): the same
+    # candidates as W = T, without planning (Triton) or building (torch tiers) W slots per row.
+    local_window_size = min(local_window_size, t_max)
     out = call_op(
         _dsa_op,
         _dsa_op_impl,

@@ -7,6 +7,8 @@ every input). All candidates of all rows are gathered at once: ``[B*S, L, KV, H]
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._attention_torch import compute_dtype_for, from_cache
@@ -76,7 +78,7 @@ def dsa_reference(
     o = torch.einsum("rkgl,rlkh->rkgh", e, v)
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     o = torch.where((denom > 0)[..., None], o / safe[..., None], torch.zeros_like(o))
-    return o.reshape(b, s, -1).to(query.dtype)
+    return o.reshape(b, s, math.prod(o.shape[1:])).to(query.dtype)  # [R, KV, G, H] (R may be 0)
 
 
 def indexer_scores_reference(index_query, index_block_keys, num_index_heads, scale):
@@ -86,7 +88,7 @@ def indexer_scores_reference(index_query, index_block_keys, num_index_heads, sca
     q = index_query.reshape(b, s, num_index_heads, d // num_index_heads).to(dtype)
     kb = index_block_keys.to(dtype)  # [B, NB, DI]
     dots = torch.einsum("bshd,bkd->bshk", q, kb)  # [B, S, NI, NB]
-    return (scale * torch.relu(dots).sum(2)).reshape(b * s, -1)
+    return (scale * torch.relu(dots).sum(2)).reshape(b * s, kb.shape[1])
 
 
 def indexer_reference(

@@ -178,6 +178,7 @@ def paged_attn_kernel(
     sink_ptr,  # [N]
     vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
     batch,
+    tokens,  # rows of q / o: a query row outside [0, tokens) (bad cu_seqlens) is skipped
     max_blocks,
     num_blocks,
     window,
@@ -235,9 +236,9 @@ def paged_attn_kernel(
         t_lo = qblock * TOK_M  # first new-token index of the tile
         s_idx = t_lo + offs_r // GROUP  # [ROWS] new-token index of each row
         n_idx = kvh * GROUP + offs_r % GROUP  # [ROWS] query head of each row
-        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len)
-        qpos = tl.where(row_ok, past + s_idx, -1)  # rows that must see nothing get qpos -1
         tok = (cu0 + s_idx).to(tl.int64)  # [ROWS] query row in the varlen batch
+        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len) & (tok >= 0) & (tok < tokens)
+        qpos = tl.where(row_ok, past + s_idx, -1)  # rows that must see nothing get qpos -1
         q_ptrs = q_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [ROWS, HEAD]
 
@@ -326,6 +327,7 @@ def paged_merge_kernel(
     sink_ptr,
     vs_ptr,
     batch,
+    tokens,  # rows of o (see paged_attn_kernel)
     window,
     extra,
     min_chunk,
@@ -366,7 +368,8 @@ def paged_merge_kernel(
         offs_d = tl.arange(0, HEAD)  # [HEAD]
         s_idx = qblock * TOK_M + offs_r // GROUP
         n_idx = kvh * GROUP + offs_r % GROUP
-        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len)
+        tok = (cu0 + s_idx).to(tl.int64)
+        row_ok = (offs_r < TOK_M * GROUP) & (s_idx < s_len) & (tok >= 0) & (tok < tokens)
         acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -382,6 +385,5 @@ def paged_merge_kernel(
                                             kvh, offs_r, offs_d, row_ok, KV_HEADS, ROWS, HEAD)  # fmt: skip
         o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
                          HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
-        tok = (cu0 + s_idx).to(tl.int64)
         o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

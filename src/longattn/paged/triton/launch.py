@@ -187,7 +187,7 @@ def run_attention(q_rot, key_cache, value_cache, cu, past, table, p, out, *, fla
     dot = q_rot.dtype
     common = dict(
         cu_ptr=cu, past_ptr=past, sink_ptr=p.head_sink if p.head_sink is not None else q_rot,
-        vs_ptr=p.v_scale if quant_v else q_rot, batch=batch,
+        vs_ptr=p.v_scale if quant_v else q_rot, batch=batch, tokens=q_rot.shape[0],
         window=max(p.local_window_size, 0), extra=extra, min_chunk=min_chunk,
         stride_vs_h=vs_h, stride_vs_d=vs_d, NUM_HEADS=n, KV_HEADS=kv, GROUP=p.group, HEAD=h,
         ROWS=rows, TOK_M=tok_m, DEC_TOK=dec_tok, IS_DECODE=flavor == "decode",
