@@ -786,9 +786,11 @@ def test_empty_batch(backend):
     assert out.shape == (0, 1, n * h) and pk.shape == (0, kv, 8, h)
 
 
-def test_torch_compile_decode_loop_does_not_recompile_per_token():
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_torch_compile_decode_loop_does_not_recompile_per_token(dynamic):
     """A compiled decode step called with a growing total_sequence_length compiles at most
-    twice (the int turns dynamic), instead of once per token until the recompile limit."""
+    twice (the int turns dynamic), instead of once per token until the recompile limit;
+    dynamic=True (symbolic scale too) traces the attribute checks without a graph break."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -796,16 +798,17 @@ def test_torch_compile_decode_loop_does_not_recompile_per_token():
     b, n, kv, h, cap = 2, 4, 2, 16, 32
     pk, pv = torch.randn(b, kv, cap, h), torch.randn(b, kv, cap, h)
 
-    def step(q, k, v, total):
+    def step(q, k, v, total, scale):
         sl = torch.full((b,), total - 1, dtype=torch.int32)
         return group_query_attention(q, k, v, pk, pv, seqlens_k=sl, total_sequence_length=total,
-                                     num_heads=n, kv_num_heads=kv, backend="chunked")  # fmt: skip
+                                     num_heads=n, kv_num_heads=kv, scale=scale, softcap=30.0,
+                                     backend="chunked")  # fmt: skip
 
-    fn = torch.compile(step, fullgraph=True)
+    fn = torch.compile(step, fullgraph=True, dynamic=dynamic)
     for total in range(10, 16):
         q, k, v = torch.randn(b, 1, n * h), torch.randn(b, 1, kv * h), torch.randn(b, 1, kv * h)
-        got = fn(q, k, v, total)[0]
-        torch.testing.assert_close(got, step(q, k, v, total)[0], rtol=0, atol=0)
+        got = fn(q, k, v, total, 0.3)[0]
+        torch.testing.assert_close(got, step(q, k, v, total, 0.3)[0], rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] <= 2
 
 

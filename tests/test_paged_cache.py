@@ -55,6 +55,22 @@ def test_allocation_and_block_boundaries():
         cache.block_table(["a"], max_blocks=1)
 
 
+def test_extend_takes_int_like_counts():
+    """numpy integers and integer tensors count as ints; a float count is a named TypeError."""
+    np = pytest.importorskip("numpy")
+    cache = make_cache(num_blocks=8, block_size=4)
+    cache.add_sequence("a")
+    cache.add_sequence("b")
+    cache.extend("a", np.int64(2))
+    cache.extend("a", torch.tensor(1))
+    cache.extend(["a", "b"], torch.tensor([1, 3]))
+    cache.extend(["a", "b"], [np.int32(1), 2])
+    assert cache.past_seqlens(["a", "b"]).tolist() == [5, 5]
+    with pytest.raises(TypeError, match="num_tokens must hold ints, got float"):
+        cache.extend("a", 1.0)
+    assert cache.seqlen("a") == 5  # nothing changed
+
+
 def test_out_of_blocks_changes_nothing():
     cache = make_cache(num_blocks=4, block_size=4)
     for s in ("a", "b"):

@@ -683,6 +683,7 @@ def test_strict_accepts_valid_selection():
         (dict(selected_counts=torch.zeros(3, dtype=torch.int32)), ValueError, "selected_counts"),
         (dict(num_heads=3), ValueError, "num_heads"),
         (dict(total_sequence_length=0), ValueError, "total_sequence_length"),
+        (dict(scale=-0.5), ValueError, "scale must be a finite float > 0"),
         (dict(total_sequence_length=torch.tensor(10)), TypeError, "total_sequence_length"),
         (dict(attention_mode="dense"), ValueError, "attention_mode"),
         (dict(selected_kv_source="auxiliary"), ValueError, "valid pair"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,12 @@ def check_tensor(
     if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     return t
+
+
+def is_finite(x) -> bool:
+    """``math.isfinite`` by comparisons only, so torch.compile(dynamic=True) traces it with a
+    symbolic float (``math.isfinite`` of a SymFloat breaks the graph)."""
+    return x == x and x != math.inf and x != -math.inf
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

@@ -17,6 +17,7 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     host_ranges,
+    is_finite,
 )
 from ._params import GQAParams
 from .chunked import gqa_chunked
@@ -331,11 +332,11 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
 def _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h):
     if scale is None or scale == 0.0:
         scale = 1.0 / math.sqrt(h)
-    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale < 0:
+    if not isinstance(scale, int | float) or not is_finite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0.0 for 1/sqrt(H)), got {scale!r}"
         )
-    if not isinstance(softcap, int | float) or not softcap >= 0.0 or not math.isfinite(softcap):
+    if not isinstance(softcap, int | float) or not softcap >= 0.0 or not is_finite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     w = local_window_size
     if not isinstance(w, int) or isinstance(w, bool) or (w <= 0 and w != -1):

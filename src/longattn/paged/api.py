@@ -14,6 +14,7 @@ from .._common import (
     check_positive_int,
     check_tensor,
     data_checks_allowed,
+    is_finite,
 )
 from . import _validate
 from ._params import PagedParams
@@ -222,11 +223,11 @@ def validate_inputs(
         or (local_window_size == 0 or local_window_size < -1)
     ):
         raise ValueError(f"local_window_size must be -1 (off) or > 0, got {local_window_size!r}")
-    if not _is_real(softcap) or not math.isfinite(softcap) or softcap < 0:
+    if not _is_real(softcap) or not is_finite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
     if scale is None or scale == 0:
         return 1.0 / math.sqrt(h)
-    if not _is_real(scale) or not math.isfinite(scale) or scale < 0:
+    if not _is_real(scale) or not is_finite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -29,7 +30,20 @@ class PagedStep(NamedTuple):
 
 
 def _as_list(x: int | Sequence[int]) -> list[int]:
-    return [int(x)] if isinstance(x, int) else [int(v) for v in x]
+    """Token counts as host ints: an int-like scalar (int, numpy integer, 0-d integer tensor)
+    or a sequence of them; anything else (a float count) is a TypeError naming num_tokens."""
+
+    def one(v) -> int:
+        try:
+            return operator.index(v)
+        except TypeError:
+            raise TypeError(f"num_tokens must hold ints, got {type(v).__name__}") from None
+
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return [one(v) for v in x.tolist()]
+    if isinstance(x, Sequence):
+        return [one(v) for v in x]
+    return [one(x)]
 
 
 class PagedKVCache:

@@ -17,6 +17,7 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     host_ranges,
+    is_finite,
 )
 from ._params import DSAParams
 from .chunked import dsa_chunked
@@ -550,8 +551,10 @@ def dynamic_sparse_attention(
     head_sink = _check_opt("head_sink", head_sink, shape=(n,), **vec)
     if scale is None or scale == 0:
         scale = 1.0 / math.sqrt(h)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float (or None), got {scale!r}")
+    if not isinstance(scale, (int, float)) or not is_finite(scale) or scale < 0:
+        raise ValueError(
+            f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
+        )
     if query_dtype is not None and query_dtype not in _FLOATS:
         raise TypeError(f"query_dtype must be a float dtype or None, got {query_dtype}")
 

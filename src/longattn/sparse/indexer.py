@@ -8,8 +8,6 @@ stored in fp32.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _cascade
@@ -21,6 +19,7 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     host_ranges,
+    is_finite,
 )
 from .._rotary import apply_rotary, rms_norm
 from .chunked import indexer_chunked
@@ -208,7 +207,8 @@ class IndexBlockKeyCache:
         """Append raw keys ``index_keys [B, S, index_head_dim]`` (any float dtype).
 
         Token s of sequence b goes to position ``lengths[b] + s``; with ``num_new [B]`` (int)
-        only the first ``num_new[b]`` tokens of sequence b are real (the rest is padding).
+        only the first ``num_new[b]`` tokens of sequence b are real (the rest is padding);
+        ``num_new`` is clamped to ``[0, S]`` on the device (checking it would sync).
         Raises ``ValueError`` (eager mode) when a sequence would exceed ``max_tokens``.
         """
         b, nb, d = self.block_sums.shape
@@ -432,7 +432,7 @@ def sparse_attention_indexer(
     budget = check_positive_int("token_budget", token_budget)
     if scale is None or scale == 0:
         scale = di**-0.5
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
+    if not isinstance(scale, (int, float)) or not is_finite(scale) or scale < 0:
         raise ValueError(f"scale must be a finite float > 0 (or None), got {scale!r}")
     nb = index_block_keys.shape[1]
     if total_sequence_length is not None:
