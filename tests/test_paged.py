@@ -560,6 +560,36 @@ def test_bad_shapes_and_dtypes():
     _bad(bt, "qk_norm_epsilon must be a float >= 0", qk_norm_epsilon=-1e-6)
 
 
+@pytest.mark.parametrize(
+    "table",
+    [
+        [[4, 2], [4, 6]],  # sequence 1 appends into block 4, sequence 0's history
+        [[4, 2], [2, 6]],  # both append into block 2 (different rows)
+    ],
+)
+def test_append_into_a_shared_block_is_refused(table):
+    n, kv, h, bs = 4, 2, 16, 4
+    q, k, v = torch.randn(2, n * h), torch.randn(2, kv * h), torch.randn(2, kv * h)
+    kc = torch.randn(8, bs, kv, h)
+    args = (
+        q,
+        k,
+        v,
+        kc,
+        kc.clone(),
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        torch.tensor([5, 2], dtype=torch.int32),
+        torch.tensor(table, dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="share only blocks none of them appends to"):
+        paged_attention(*args, num_heads=n, kv_num_heads=kv)
+    ok = torch.tensor([[4, 2], [5, 6]], dtype=torch.int32)  # private blocks: fine
+    paged_attention(*args[:-1], ok, num_heads=n, kv_num_heads=kv)
+    shared_prefix = torch.tensor([[4, 2], [4, 5]], dtype=torch.int32)
+    past = torch.tensor([5, 5], dtype=torch.int32)  # both read block 4, append elsewhere
+    paged_attention(*args[:-2], past, shared_prefix, num_heads=n, kv_num_heads=kv)  # fmt: skip
+
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """The same values as a view with stride 2 in the last dim."""
     return torch.stack((t, torch.zeros_like(t)), -1).flatten(-2)[..., ::2]

@@ -116,10 +116,34 @@ def check_batch_data(
                      lengths="past_seqlens[{b}] + new tokens = {past} + {new}",
                      past=past, new=new)  # fmt: skip
     if num_tokens:
-        _, _, slot, _ = _slots.new_token_slots(
+        seq, _, slot, _ = _slots.new_token_slots(
             cu, past, table, num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks
         )
         _check_distinct("block_table", slot, block_size)
+        _check_written_blocks_private(seq, slot // block_size, total, table, block_size)
+
+
+def _check_written_blocks_private(seq, blk, total, table, block_size: int) -> None:
+    """A block that a sequence appends to (``blk [tokens]`` of sequence ``seq [tokens]``) is in
+    no other sequence's used table entries: sharing is for read-only blocks (a common prefix),
+    else the append overwrites the other sequence's history."""
+    needed = (total + block_size - 1) // block_size  # [B]
+    used = torch.arange(table.shape[1])[None, :] < needed[:, None]  # [B, max_blocks]
+    owner = torch.arange(table.shape[0])[:, None].expand_as(table)
+    ids, seqs = table[used].to(torch.int64), owner[used]  # entries checked in [0, num_blocks)
+    if ids.numel() == 0:
+        return
+    pairs = torch.unique(ids * table.shape[0] + seqs)  # distinct (block, sequence) pairs
+    users = torch.bincount(pairs // table.shape[0], minlength=int(blk.max()) + 1)  # per block
+    shared = users[blk] > 1  # [tokens]: the token appends to a block another sequence uses
+    if shared.any():
+        (t,) = _first_true(shared)
+        b_blk, b_seq = int(blk[t]), int(seq[t])
+        other = int(seqs[(ids == b_blk) & (seqs != b_seq)][0])
+        raise ValueError(
+            f"block_table: sequence {b_seq} appends to block {b_blk}, which sequence {other} "
+            "also uses; sequences may share only blocks none of them appends to"
+        )
 
 
 def check_table_data(
