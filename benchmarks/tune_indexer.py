@@ -55,7 +55,10 @@ def _select(sc, seqlens, s, nb, cfg=None, budget=BUDGET):
                              token_budget=budget, is_first_prompt=False, cfg=cfg)  # fmt: skip
 
 
-def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET):
+SELECT_GRID = dict(warps=(8,), bits=(2, 3), block_o=(1024, 4096), emit_2d=(False, True))
+
+
+def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid=None):
     seqlens, layers = _layers(b, s, t)
     nb = layers[0][1].shape[1]
     base = [_scores(q, k, seqlens, None) for q, k in layers]
@@ -94,7 +97,8 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET):
     # bits per radix step (fewer CTA reductions, more compares each), emission tile; int32
     # count words (two fields) measured the same as int64 (four) and were dropped
     # EMIT_2D: the chosen blocks' positions as one [KB_PAD, r] tile (not yet a default)
-    grid = itertools.product((8,), (2, 3), (1024, 4096), (False, True))
+    sg = dict(SELECT_GRID, **(select_grid or {}))
+    grid = itertools.product(sg["warps"], sg["bits"], sg["block_o"], sg["emit_2d"])
     for nw, bits, bo, emit in grid:
         cfg = dict(num_warps=nw, RADIX_BITS=bits, BLOCK_O=bo, EMIT_2D=emit)
         got = sel(base[0], seqlens, s, nb, cfg)
@@ -114,12 +118,26 @@ def main(argv=None):
     ap.add_argument("--T", default="131072", help="comma-separated lengths")
     ap.add_argument("--budgets", default=str(BUDGET), help="comma-separated (select sweep)")
     ap.add_argument("--kernels", default="score,select")
+    ap.add_argument("--select-warps", default=None, help="e.g. 4,8,16 (default 8)")
+    ap.add_argument("--select-bits", default=None, help="e.g. 2 (default 2,3)")
+    ap.add_argument(
+        "--select-defaults-only",
+        action="store_true",
+        help="select: BLOCK_O 1024 and EMIT_2D only (the defaults)",
+    )
     args = ap.parse_args(argv)
     rows = []
     runs = itertools.product(args.configs.split(","), args.T.split(","), args.budgets.split(","))
     for c, t, budget in runs:
         b, s = (int(x) for x in c.split("x"))
-        sweep(b, s, int(t), rows, args.kernels.split(","), int(budget))
+        sg = {}
+        if args.select_warps:
+            sg["warps"] = tuple(int(x) for x in args.select_warps.split(","))
+        if args.select_bits:
+            sg["bits"] = tuple(int(x) for x in args.select_bits.split(","))
+        if args.select_defaults_only:
+            sg.update(block_o=(1024,), emit_2d=(True,))
+        sweep(b, s, int(t), rows, args.kernels.split(","), int(budget), sg)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune_indexer.json").write_text(
