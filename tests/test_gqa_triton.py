@@ -745,3 +745,53 @@ def test_triton_gate_refuses_cache_row_strides_beyond_int32_tile_offsets():
     with pytest.raises(RuntimeError, match=r"present_key\.stride\(2\)"):
         group_query_attention(q, k, v, pk, pv, seqlens_k=seqlens, total_sequence_length=1,
                               num_heads=n, kv_num_heads=kv, backend="triton")  # fmt: skip
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("phase", ["decode", "decode-fused", "prefill", "paged"])
+def test_fp32_softcap_keeps_fp32_accuracy(phase, device, monkeypatch):
+    """fp32 activations with softcap 50: the Triton kernels' tanh keeps fp32 accuracy near 0
+    (``c - 2c / (exp(2y) + 1)`` alone cancels there: ~15x the chunked tier's error before)."""
+    from longattn import group_query_attention, paged_attention
+
+    if phase == "decode-fused":
+        _fused_decode_config(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    n, kv, h, t, c = 2, 1, 32, 64, 50.0
+    s = 1 if phase.startswith("decode") else 16
+    q = torch.randn(1, s, n * h, generator=g).to(device)
+    k = torch.randn(1, s, kv * h, generator=g).to(device)
+    v = torch.randn(1, s, kv * h, generator=g).to(device)
+    pk = torch.randn(1, kv, t, h, generator=g).to(device)
+    pv = torch.randn(1, kv, t, h, generator=g).to(device)
+
+    def call(backend):
+        if phase == "paged":  # one sequence, blocks 0..3 of 16 rows, t - s past tokens
+            kc, vc = pk[0].transpose(0, 1).reshape(4, 16, kv, h), pv[0].transpose(0, 1)
+            vc = vc.reshape(4, 16, kv, h)
+            kc, vc = kc.clone(), vc.clone()
+            out = paged_attention(
+                q[0], k[0], v[0], kc, vc, torch.tensor([0, s], dtype=torch.int32, device=device),
+                torch.tensor([t - s], dtype=torch.int32, device=device),
+                torch.arange(4, dtype=torch.int32, device=device)[None], num_heads=n,
+                kv_num_heads=kv, softcap=c, backend=backend,
+            )  # fmt: skip
+            return out[None], kc.reshape(t, kv, h).transpose(0, 1)[None], vc.reshape(t, kv, h)
+        out, kc, vc = group_query_attention(
+            q, k, v, pk.clone(), pv.clone(), seqlens_k=torch.tensor([t - 1], dtype=torch.int32,
+            device=device), total_sequence_length=t, num_heads=n, kv_num_heads=kv, softcap=c,
+            backend=backend,
+        )  # fmt: skip
+        return out, kc, vc[0].transpose(0, 1)
+
+    def err(out, kc, vc):  # vs fp64 over the cache the call wrote
+        x = (q.double().reshape(s, n, h).transpose(0, 1) @ kc[0, 0].double().T) / math.sqrt(h)
+        x = c * torch.tanh(x / c)  # [N, S, T]
+        pos = torch.arange(t, device=device)
+        x = x.masked_fill(pos[None, None, :] > (t - s + torch.arange(s, device=device))[None, :, None],
+                          float("-inf"))  # fmt: skip
+        o = (torch.softmax(x, -1) @ vc.reshape(t, h).double()).transpose(0, 1).reshape(1, s, -1)
+        return float((out.double() - o).norm() / o.norm())
+
+    ours, base = err(*call("triton")), err(*call("chunked"))
+    assert ours <= 3 * base + 1e-9, (ours, base)

@@ -227,10 +227,20 @@ def _round_fp16_rows(x):
     return (x * f).to(torch.float16).float() / f
 
 
+def _p_dtype(q_dtype: torch.dtype, v_dtype: torch.dtype) -> torch.dtype:
+    """The dtype P is rounded to before P.V: never below Q's precision (fp32 Q: fp32; fp16 Q
+    with bf16 V: fp16's mantissa), else V's 16-bit dtype; int8 V: fp16 (fp32 for an fp32 Q)."""
+    if q_dtype == torch.float32:
+        return torch.float32
+    if v_dtype == torch.int8 or (q_dtype, v_dtype) == (torch.float16, torch.bfloat16):
+        return torch.float16
+    return v_dtype
+
+
 def lowp_dsa(kw, q_dtype=None):
     """Same-precision baseline: fp32 prologue, Q rounded once (an int8 main cache with 16-bit
-    activations in QSA mode: to fp16 with power-of-two rows), fp32 softmax, P rounded to the
-    V dtype (int8 V: fp16, fp32 for an fp32 Q), fp32 P.V. Independent of the tier's kernels."""
+    activations in QSA mode: to fp16 with power-of-two rows), fp32 softmax, P rounded as the
+    tier's P.V operands are (``_p_dtype``), fp32 P.V. Independent of the tier's kernels."""
     kw = _clone(kw)
     q_in = kw["query"]
     b, s, _ = q_in.shape
@@ -281,9 +291,7 @@ def lowp_dsa(kw, q_dtype=None):
         kr = from_cache(gather_rows(kc, rows_b, seg.pos), kw.get("k_scale") if main else None,
                         kv_axis=-2)  # fmt: skip
         vr = gather_rows(vc, rows_b, seg.pos)
-        v_dt = vr.dtype
-        if vr.dtype == torch.int8:
-            v_dt = torch.float32 if q_dtype == torch.float32 else torch.float16
+        v_dt = _p_dtype(q_dtype, vr.dtype)
         vr = from_cache(vr, kw.get("v_scale") if main else None, kv_axis=-2)
         vr = torch.where(seg.ok[:, :, None, None], vr, 0.0)
         xs.append(torch.einsum("rkgh,rlkh->rkgl", qr, kr) / math.sqrt(h))

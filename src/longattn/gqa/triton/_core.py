@@ -20,13 +20,28 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def softcap_log2(qk, qk_scale, softcap_mult):
+def softcap_log2(qk, qk_scale, softcap_mult, PRECISE: tl.constexpr = False):
     """``softcap_mult * tanh(qk * qk_scale)`` as ``c - 2c / (exp(2y) + 1)`` (c = softcap_mult,
     y = qk * qk_scale): one multiply, exp2, add, reciprocal-divide and FMA per logit, sign and
-    saturation included (exp2 -> inf gives c, -> 0 gives -c). Near y = 0 the absolute error is
-    ~c * 2**-23, as for any fp32 tanh times c."""
-    e = tl.exp2(qk * (qk_scale * 2.8853900817779268))  # exp(2y)
-    return softcap_mult - (2.0 * softcap_mult) / (e + 1.0)
+    saturation included (exp2 -> inf gives c, -> 0 gives -c). The subtraction cancels near
+    y = 0: an absolute error of ~c * 2**-23 instead of a tanh's ~|c * y| * 2**-23, below the
+    rounding of 16-bit Q / K but ~15x an fp32 computation's output error at c = 50 (session 24
+    audit). ``PRECISE`` (fp32 dots): |y| < 0.5 takes tanh's odd Taylor polynomial through y**15
+    (truncation < 5e-9 relative), 8 more FMAs per logit."""
+    y = qk * qk_scale
+    e = tl.exp2(y * 2.8853900817779268)  # exp(2y)
+    s = softcap_mult - (2.0 * softcap_mult) / (e + 1.0)
+    if PRECISE:
+        y2 = y * y
+        p = -0.0014558343870513183 * y2 + 0.0035921280365724811
+        p = p * y2 - 0.0088632355299021966
+        p = p * y2 + 0.021869488536155203
+        p = p * y2 - 0.053968253968253968
+        p = p * y2 + 0.13333333333333333
+        p = p * y2 - 0.33333333333333333
+        p = p * y2 + 1.0
+        s = tl.where(tl.abs(y) < 0.5, softcap_mult * (y * p), s)
+    return s
 
 
 @triton.jit
@@ -100,7 +115,7 @@ def scores(
     softcap/bias logits come out scaled (``unit = 1``)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
     if HAS_SOFTCAP:
-        s = softcap_log2(qk * row_scale, qk_scale, softcap_mult)
+        s = softcap_log2(qk * row_scale, qk_scale, softcap_mult, DOT_PREC == "ieee")
         unit = 1.0
     elif HAS_BIAS:
         s = qk * (qk_scale * row_scale)

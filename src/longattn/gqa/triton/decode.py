@@ -115,12 +115,12 @@ def _decode_range(
 @triton.jit
 def _new_row_scores(qk_new, qk_scale, rs, softcap_mult, bias_ptr, b64, n_idx, new_pos, row_ok,
                     stride_bias_b, stride_bias_n, stride_bias_t, HAS_SOFTCAP: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):  # fmt: skip
+                    HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
     """``[ROWS_PAD]`` log2-domain logits of the new row from its raw dot products ``qk_new`` and
     the rows' Q factors ``rs [ROWS_PAD]`` (ones without power-of-two rows), as ``scores`` makes
     them for a tile (softcap, bias of key ``new_pos``; S = 1)."""
     if HAS_SOFTCAP:
-        s = softcap_log2(qk_new * rs, qk_scale, softcap_mult)
+        s = softcap_log2(qk_new * rs, qk_scale, softcap_mult, PRECISE)
     else:
         s = qk_new * (qk_scale * rs)
     if HAS_BIAS:
@@ -312,7 +312,7 @@ def gqa_decode_split_kernel(
         # appends it to the cache after its reads; split 0 appends when no split folds it
         s_new = _new_row_scores(qk_new, qk_scale, unscale, softcap_mult, bias_ptr, b64, n_idx,
                                 new_pos, row_ok, stride_bias_b, stride_bias_n, stride_bias_t,
-                                HAS_SOFTCAP, HAS_BIAS)  # fmt: skip
+                                HAS_SOFTCAP, HAS_BIAS, DOT_PREC == "ieee")  # fmt: skip
         v_new = fused_new_v(xv_ptr, vs_ptr, b64, kvh, stride_xvb, stride_vs_h, stride_vs_d, HEAD,
                             HEAD, HAS_VSCALE, v_ptr.dtype.element_ty)  # fmt: skip
         weight = (row_ok & mine).to(tl.int32)  # [ROWS_PAD]

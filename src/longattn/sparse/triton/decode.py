@@ -400,10 +400,19 @@ def _qk_operands(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple:
 
 
 def _pv_operands(q_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple:
-    """(dot dtype, precision) of P.V: V's 16-bit dtype (P rounded to it); int8 V with a 16-bit
-    Q: fp16 (the integers are exact, reached by ``int8_to_fp16``'s xor + subtract, and P keeps
-    3 more bits than in bf16); fp32 V (or fp32 Q with int8 V): exact fp32."""
-    if v_dtype in (torch.float16, torch.bfloat16):
+    """(dot dtype, precision) of P.V. P is rounded at most to Q's precision (an fp32 Q keeps
+    P in fp32: rounding it to a 16-bit V's dtype cost ~1000x the fp32 error, session 24 audit):
+
+    - 16-bit V and a 16-bit Q of no more precision (same dtype, or bf16 Q with an fp16 V): V's
+      dtype (P rounded to it);
+    - bf16 V with an fp16 Q: fp32 operands at tf32 precision (P keeps fp16's 10 mantissa bits,
+      V is exact and never overflows as fp16 would beyond 65504);
+    - int8 V with a 16-bit Q: fp16 (the integers are exact, reached by ``int8_to_fp16``'s xor +
+      subtract, and P keeps 3 more bits than in bf16);
+    - otherwise (an fp32 Q, or fp32 V): exact fp32."""
+    if q_dtype != torch.float32 and v_dtype in (torch.float16, torch.bfloat16):
+        if v_dtype == torch.bfloat16 and q_dtype == torch.float16:
+            return tl.float32, "tf32"
         return _TL[v_dtype], "tf32"
     if v_dtype == torch.int8 and q_dtype != torch.float32:
         return tl.float16, "tf32"
