@@ -78,8 +78,23 @@ def check_backend_name(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+_last: dict[str, str] = {}
+
+
+def last_backend(op: str) -> str | None:
+    """The tier ``select_backend`` last chose for ``op`` in this process (None before any call):
+    what the demo and precision reports print as "the backend that ran"."""
+    return _last.get(op)
+
+
 def select_backend(op: str, backend: str, gates: Mapping[str, Gate]) -> str:
     """Resolve ``backend`` ("auto" or a tier) for ``op`` given each tier's gate."""
+    tier = _select(op, backend, gates)
+    _last[op] = tier
+    return tier
+
+
+def _select(op: str, backend: str, gates: Mapping[str, Gate]) -> str:
     check_backend_name(backend)
     env = env_settings()
     source = "requested"

@@ -10,7 +10,6 @@ import torch
 from . import _cascade
 from ._rotary import rope_cache
 from .gqa import group_query_attention
-from .gqa.api import triton_gate_reason
 from .paged import PagedKVCache, paged_attention
 from .sparse.needle import build_needle_case, run_needle
 from .testing import error_stats
@@ -49,15 +48,12 @@ def _gqa_demo(dev: torch.device) -> tuple[torch.Tensor, ...]:
         _sync(dev)
         times.append(time.perf_counter() - t0)
         decode_out.append(o)
+    tier = _cascade.last_backend("group_query_attention")  # the tier the decode steps ran
     # Same last decode step on the reference tier from the same cache (the cache rows it writes
     # are bit-identical; the output differs only by fp32 vs unfused rounding).
     ref, _, _ = group_query_attention(q1, past_key=pk.clone(), past_value=pv.clone(),
                                       seqlens_k=seqlens, total_sequence_length=s + steps,
                                       backend="reference", **kw)  # fmt: skip
-    tier = _cascade.select_backend("group_query_attention", "auto", {
-        "triton": lambda explicit: triton_gate_reason(dev, BF16, FP16, h, False, explicit),
-        "chunked": _cascade.always, "reference": _cascade.always,
-    })  # fmt: skip
     err = error_stats(decode_out[-1], ref).rel_rms
     print(
         f"\n[3] group_query_attention: bf16 activations, fp16 KV cache (mixed precision), rotary, "
@@ -91,7 +87,8 @@ def _paged_demo(dev: torch.device) -> None:
     print(
         f"\n[4] paged_attention: block_size {bs}, prefill of {lens} tokens {tuple(out.shape)}, "
         f"then one decode step {tuple(out1.shape)}; blocks in use "
-        f"{64 - cache.num_free_blocks}/64; finite: {bool(torch.isfinite(out1).all())}"
+        f"{64 - cache.num_free_blocks}/64; finite: {bool(torch.isfinite(out1).all())}; "
+        f"backend={_cascade.last_backend('paged_attention')}"
     )
 
 
@@ -104,7 +101,9 @@ def _sparse_demo(dev: torch.device) -> None:
         f"\n[5] sparse: indexer (QSA, r=64, budget 512) + dynamic_sparse_attention, decode at "
         f"T={t} with planted needles\n    needle recall {rep.recall:.0%}, sparse output error vs "
         f"fp64 dense {rep.sparse_err:.2e} (dense bf16 {rep.dense_name}: {rep.dense_err:.2e}, "
-        f"ratio {rep.ratio:.2f})"
+        f"ratio {rep.ratio:.2f}); backends: indexer="
+        f"{_cascade.last_backend('sparse_attention_indexer')}, dsa="
+        f"{_cascade.last_backend('dynamic_sparse_attention')}"
     )
 
 

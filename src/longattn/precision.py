@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _cascade
 from ._rotary import rope_cache
 from .rms_norm_rotary.api import rms_norm_rotary
 from .rms_norm_rotary.reference import rms_norm_rotary_fp64
@@ -79,7 +80,6 @@ def precision_report(
                                                 epsilon=1e-6, interleaved=False, rotary_offset=0,
                                                 exact=True)  # fmt: skip
         true_logits = _logits(truths["q"], truths["k"], num_heads, n_query)
-        backend = "triton" if device.type == "cuda" else "chunked"
         paths = [  # (name, exact, cos, sin, out_dtype); exact=None marks a floor row
             ("legacy bf16 (bf16 cos/sin)", False, cosb, sinb, BF16),
             ("exact fp32 -> bf16", True, cos32, sin32, BF16),
@@ -105,7 +105,7 @@ def precision_report(
                     ).cpu()  # fmt: skip
                     for n, x in (("q", q), ("k", k))
                 }
-                be = backend
+                be = _cascade.last_backend("rms_norm_rotary")  # the tier that ran
             qk = torch.cat([outs["q"], outs["k"]], 1)
             truth = torch.cat([truths["q"], truths["k"]], 1)
             lg = error_stats(_logits(outs["q"], outs["k"], num_heads, n_query), true_logits)

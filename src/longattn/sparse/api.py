@@ -330,8 +330,14 @@ def dynamic_sparse_attention(
             (``qpos = s``; rows ``s > seqlens_k[b]`` are padding: zero output, nothing written),
             else ``qpos = seqlens_k[b] + 1 - S + s``.
         num_heads, kv_num_heads: N and KV (N % KV == 0).
-        cos_cache, sin_cache: ``[max_pos, rotary_dim/2]`` (fp32 recommended), for do_rotary;
-            position = ``position_ids [B, S]`` (int64/int32) if given, else qpos.
+        cos_cache, sin_cache: ``[max_pos, rotary_dim/2]`` (fp32 recommended, last dim
+            contiguous), for do_rotary; position = ``position_ids [B, S]`` (int64/int32) if
+            given, else qpos.
+        do_rotary, rotary_interleaved: rotary on Q and the new K; split-half pairs ``(i, i +
+            rotary_dim/2)`` by default, adjacent pairs ``(2i, 2i + 1)`` when interleaved.
+        rotary_offset: first rotated channel (``>= 0``; channels ``rotary_offset ..
+            rotary_offset + rotary_dim`` rotate, the rest pass through); the Triton prologue
+            takes 0 only (another offset runs the torch prologue).
         q_norm_weight, k_norm_weight: ``[H]`` QK-norm weights (eps = qk_norm_epsilon).
         head_sink: ``[N]`` sink logits (any float dtype); else ``smooth_softmax`` adds a zero
             logit; head_sink wins when both are given.

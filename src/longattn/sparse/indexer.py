@@ -117,7 +117,10 @@ def index_block_keys_from_keys(
         compress_ratio: r, tokens per block.
         norm_weight: ``[index_head_dim]`` RMSNorm weight (None: no norm).
         cos_cache, sin_cache: ``[max_pos, rotary_dim/2]`` (None: no RoPE); split-half RoPE on
-            channels ``rotary_offset .. rotary_offset + rotary_dim`` at position ``c * r``.
+            channels ``rotary_offset .. rotary_offset + rotary_dim`` at position ``c * r`` (the
+            caches must hold position ``(T // r - 1) * r``).
+        epsilon: RMSNorm epsilon (with ``norm_weight``).
+        rotary_offset: first rotated channel, ``>= 0``.
 
     Returns:
         ``[B, T // r, index_head_dim]`` fp32 (fp64 for fp64 keys).
@@ -157,6 +160,16 @@ class IndexBlockKeyCache:
     ``append`` is sync-free (scatter-add into the sums, then the touched blocks' keys are
     recomputed from their sums), so it can live inside a CUDA graph; a decode step touches one
     block. The indexer then reads ``O(T / r)`` block keys per query.
+
+    Args (constructor):
+        batch_size, max_tokens, index_head_dim: B, the most tokens a sequence may hold, DI.
+            State is sized ``max_blocks = max_tokens // compress_ratio + 1`` blocks per
+            sequence (the trailing partial block included).
+        compress_ratio: r, tokens per block (keyword-only, required).
+        norm_weight, cos_cache, sin_cache, epsilon, rotary_offset: as in
+            :func:`index_block_keys_from_keys` (cos/sin must hold the last complete block's
+            first position ``(max_tokens // r - 1) * r``).
+        device: where the state lives (default: norm_weight's device, else CPU).
     """
 
     def __init__(
