@@ -83,6 +83,17 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_nonneg_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def is_real(x) -> bool:
+    """A host int or float (not a bool): what scalar attributes (scale, softcap, eps) take."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def check_out_dtype(out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
     out = default if out_dtype is None else out_dtype
     if out not in FLOAT_DTYPES:

@@ -140,7 +140,7 @@ def cmd_precision(args) -> int:
 def cmd_demo(args) -> int:
     from . import _cascade, rms_norm_rotary, rope_cache
 
-    dev = torch.device(args.device) if args.device else _default_device()
+    dev = args.device if args.device is not None else _default_device()  # (_device_arg)
     print(f"longattn demo on {dev} (torch {torch.__version__})")
     # 1. RMSNormRotary on a Qwen-like Q projection: bf16 in, fp16 out, fp32 cos/sin.
     b, s, n, h = 1, 2048, 16, 128

@@ -112,23 +112,22 @@ def check_batch_data(
         (b,) = _first_true(past < 0)
         raise ValueError(f"past_seqlens must be >= 0, got past_seqlens[{b}] = {int(past[b])}")
     total = past + new
-    check_table_data(total, table, block_size=block_size, num_blocks=num_blocks,
-                     lengths="past_seqlens[{b}] + new tokens = {past} + {new}",
-                     past=past, new=new)  # fmt: skip
+    used = check_table_data(total, table, block_size=block_size, num_blocks=num_blocks,
+                            lengths="past_seqlens[{b}] + new tokens = {past} + {new}",
+                            past=past, new=new)  # fmt: skip
     if num_tokens:
         seq, _, slot, _ = _slots.new_token_slots(
             cu, past, table, num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks
         )
         _check_distinct("block_table", slot, block_size)
-        _check_written_blocks_private(seq, slot // block_size, total, table, block_size)
+        _check_written_blocks_private(seq, slot // block_size, table, used)
 
 
-def _check_written_blocks_private(seq, blk, total, table, block_size: int) -> None:
+def _check_written_blocks_private(seq, blk, table, used) -> None:
     """A block that a sequence appends to (``blk [tokens]`` of sequence ``seq [tokens]``) is in
-    no other sequence's used table entries: sharing is for read-only blocks (a common prefix),
-    else the append overwrites the other sequence's history."""
-    needed = (total + block_size - 1) // block_size  # [B]
-    used = torch.arange(table.shape[1])[None, :] < needed[:, None]  # [B, max_blocks]
+    no other sequence's used table entries (``used [B, max_blocks]``, ``check_table_data``):
+    sharing is for read-only blocks (a common prefix), else the append overwrites the other
+    sequence's history."""
     owner = torch.arange(table.shape[0])[:, None].expand_as(table)
     ids, seqs = table[used].to(torch.int64), owner[used]  # entries checked in [0, num_blocks)
     if ids.numel() == 0:
@@ -155,8 +154,9 @@ def check_table_data(
     lengths: str,
     past: torch.Tensor | None = None,
     new: torch.Tensor | None = None,
-) -> None:
+) -> torch.Tensor:
     """Every sequence fits the table and its needed entries are blocks in [0, num_blocks).
+    Returns the mask of those needed entries, ``[B, max_blocks]`` bool.
 
     total: int64 [B] tokens per sequence (host); table: int32 [B, max_blocks] (host);
     ``lengths`` names the lengths in messages (formatted with b, past, new, total).
@@ -185,6 +185,7 @@ def check_table_data(
             f"[0, {num_blocks}) (sequence {b} has {int(total[b])} tokens, needs "
             f"{int(needed[b])} blocks); padding (e.g. -1) is allowed only past the needed blocks"
         )
+    return used
 
 
 def _check_distinct(name: str, slot: torch.Tensor, block_size: int) -> None:

@@ -15,6 +15,7 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     is_finite,
+    is_real,
 )
 from . import _validate
 from ._params import PagedParams
@@ -140,10 +141,6 @@ def _(query, key, value, key_cache, value_cache, cumulative_sequence_length, pas
     return query.new_empty((query.shape[0], num_heads * key_cache.shape[-1]))
 
 
-def _is_real(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 def validate_inputs(
     query, key, value, key_cache, value_cache, cu, past, table, *, num_heads, kv_num_heads,
     cos_cache, sin_cache, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, scale,
@@ -223,11 +220,11 @@ def validate_inputs(
         or (local_window_size == 0 or local_window_size < -1)
     ):
         raise ValueError(f"local_window_size must be -1 (off) or > 0, got {local_window_size!r}")
-    if not _is_real(softcap) or not is_finite(softcap) or softcap < 0:
+    if not is_real(softcap) or not is_finite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
     if scale is None or scale == 0:
         return 1.0 / math.sqrt(h)
-    if not _is_real(scale) or not is_finite(scale) or scale < 0:
+    if not is_real(scale) or not is_finite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
         )
@@ -341,7 +338,7 @@ def paged_attention(
         softcap=softcap, local_window_size=local_window_size, do_rotary=do_rotary,
     )  # fmt: skip
     check_bool("validate", validate)
-    if not _is_real(qk_norm_epsilon) or not qk_norm_epsilon >= 0.0:
+    if not is_real(qk_norm_epsilon) or not qk_norm_epsilon >= 0.0:
         raise ValueError(f"qk_norm_epsilon must be a float >= 0, got {qk_norm_epsilon!r}")
     if validate and data_checks_allowed(cumulative_sequence_length):
         _check_data(cumulative_sequence_length, past_seqlens, block_table,

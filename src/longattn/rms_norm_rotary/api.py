@@ -9,12 +9,14 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_bool,
+    check_nonneg_int,
     check_out_dtype,
     check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
     host_ranges,
+    is_real,
 )
 from .chunked import rms_norm_rotary_chunked
 from .reference import rms_norm_rotary_reference
@@ -164,8 +166,7 @@ def validate_args(
     rot_dim = 2 * cos_cache.shape[1]
     if rot_dim == 0:
         raise ValueError("cos_cache must have rotary_dim / 2 >= 1 columns, got 0")
-    if not isinstance(rotary_offset, int) or isinstance(rotary_offset, bool) or rotary_offset < 0:
-        raise ValueError(f"rotary_offset must be a non-negative int, got {rotary_offset!r}")
+    check_nonneg_int("rotary_offset", rotary_offset)
     if rot_dim > head - rotary_offset:
         raise ValueError(
             f"rotary_dim = 2 * cos_cache.shape[1] = {rot_dim} exceeds head_size - rotary_offset "
@@ -235,7 +236,7 @@ def rms_norm_rotary(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
     check_bool("validate", validate)
-    if not isinstance(epsilon, int | float) or isinstance(epsilon, bool) or not epsilon >= 0.0:
+    if not is_real(epsilon) or not epsilon >= 0.0:
         raise ValueError(f"epsilon must be a float >= 0, got {epsilon!r}")
     if validate and position_ids is not None and position_ids.numel():
         if data_checks_allowed(position_ids):

@@ -13,8 +13,6 @@ compaction to ascending block order.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._attention_torch import compute_dtype_for, from_cache
@@ -101,7 +99,7 @@ def dsa_chunked(
         good = l > 0
         safe = torch.where(good, l, torch.ones_like(l))
         out[r0:r1] = torch.where(good[..., None], acc / safe[..., None], zero)
-    return out.reshape(b, s, math.prod(out.shape[1:])).to(query.dtype)  # [R, KV, G, H] (R may be 0)
+    return out.reshape(b, s, p.num_heads * p.head_size).to(query.dtype)  # (B may be 0)
 
 
 def _select_topk(scores: torch.Tensor, n_sel: torch.Tensor, kb: int) -> torch.Tensor:

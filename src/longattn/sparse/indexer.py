@@ -15,6 +15,7 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_bool,
+    check_nonneg_int,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
@@ -65,8 +66,7 @@ def _finalize_block_keys(
 
 def _check_block_key_params(head_dim, norm_weight, cos_cache, sin_cache, rotary_offset, device):
     """Validate the block-key parameters (the cos/sin rows: ``_check_rotary_rows``)."""
-    if not isinstance(rotary_offset, int) or isinstance(rotary_offset, bool) or rotary_offset < 0:
-        raise ValueError(f"rotary_offset must be a non-negative int, got {rotary_offset!r}")
+    check_nonneg_int("rotary_offset", rotary_offset)
     if norm_weight is not None:
         check_tensor("norm_weight", norm_weight, dtypes=_FLOATS, shape=(head_dim,), device=device)
     if (cos_cache is None) != (sin_cache is None):

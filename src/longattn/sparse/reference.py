@@ -7,8 +7,6 @@ every input). All candidates of all rows are gathered at once: ``[B*S, L, KV, H]
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._attention_torch import compute_dtype_for, from_cache
@@ -78,7 +76,7 @@ def dsa_reference(
     o = torch.einsum("rkgl,rlkh->rkgh", e, v)
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     o = torch.where((denom > 0)[..., None], o / safe[..., None], torch.zeros_like(o))
-    return o.reshape(b, s, math.prod(o.shape[1:])).to(query.dtype)  # [R, KV, G, H] (R may be 0)
+    return o.reshape(b, s, p.num_heads * p.head_size).to(query.dtype)  # (B may be 0)
 
 
 def indexer_scores_reference(index_query, index_block_keys, num_index_heads, scale):
