@@ -7,6 +7,10 @@
   interleaved (default, unfused, default, unfused), as one-call CUDA graphs and as
   chained graphs of 4 steps over distinct caches: bf16 cache at B in {1, 8, 32} x T in {4K,
   32K, 128K}, int8 cache at T = 128K.
+- ``gqa_waves``: GQA bf16 decode (same geometry) at the shapes whose work is about one or two
+  waves of split programs (B=1 T=4K/32K, B=8 T=4K, B=32 T=4K, B=8 T=32K): the default config
+  and split count vs split-kernel configs whose shared memory holds 2-3 CTAs per SM and vs
+  split counts that fill a whole number of waves, with cuDNN SDPA (graph) in the same process.
 - ``dsa_int8``: DSA with an int8 main cache at budget 8192 (the sparse benchmark's geometry,
   H = 256, (N, KV) = (24, 4), T = 128K), CUDA-graph replays: the default config vs each of
   ``bench_sparse._CACHE_VARIANTS`` (the previous uncapped build, other stage counts and
@@ -64,6 +68,66 @@ def gqa_fused_rows(quick: bool) -> list[dict]:
     return rows
 
 
+# (name, BLOCK_N, num_stages) of the gqa_waves section (4 warps; bf16 H=128 K+V stages:
+# 64 x 4 = 128 KB: 1 CTA per SM, 64 x 3 = 96 KB: 2, 32 x 4 / 64 x 2 = 64 KB: 3)
+WAVE_CFGS = (("n64s4", 64, 4), ("n64s3", 64, 3), ("n32s4", 32, 4), ("n64s2", 64, 2))
+WAVE_SHAPES = ((1, 4096), (1, 32768), (8, 4096), (32, 4096), (8, 32768))
+
+
+def _wave_splits(b: int, t: int, resident: int, block_n: int, num_sms: int) -> list[int]:
+    """Split counts whose programs fill 1 and 2 whole waves of ``resident`` CTAs per SM (each
+    split >= 4 tiles), deduplicated."""
+    pairs = b * gqa.KV
+    out = []
+    for waves in (1, 2):
+        n = max(1, waves * num_sms * resident // pairs)
+        n = min(n, max(1, t // (4 * block_n)))
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def gqa_wave_rows() -> list[dict]:
+    from longattn.gqa.triton import launch
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cudnn = gqa._sdpa("cudnn")
+    for b, t in WAVE_SHAPES:
+        dt = torch.bfloat16
+        sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, 2))
+        chain_sets = gqa._chain_sets(sets, b, t, dt)
+        nbytes = 2 * b * gqa.KV * t * 128 * 2
+        base = launch.decode_config(128, dt, dt, False)
+        row = dict(section="gqa_waves", B=b, T=t, KV_MB=nbytes / 1e6)
+        q_sets = [(torch.randn(b, gqa.N, 1, 128, device=gqa.DEV, dtype=dt), s[3], s[4], False)
+                  for s in sets]  # fmt: skip
+        row["cudnn_graph_us"] = gqa._graph_time_or_none(cudnn, q_sets)
+        row["default_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
+        row["default_chain_us"] = gqa._chain_time_or_none(gqa._decode_fn(p), chain_sets)
+        for name, bn, st in WAVE_CFGS:
+            cfg = dict(base, BLOCK_N=bn, num_stages=st)
+            res = launch.resident_ctas(cfg, 128, 2)
+            dflt = launch.choose_num_splits(b, gqa.KV, t, bn, sms, res)
+            for splits in [dflt] + [n for n in _wave_splits(b, t, res, bn, sms) if n != dflt]:
+                key = f"{name}_sp{splits}"
+                fn = gqa._decode_fn(p, cfg, splits)
+                row[f"{key}_graph_us"] = gqa._graph_time_or_none(fn, sets)
+                row[f"{key}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
+        row["default_again_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
+        graphs = {k: v for k, v in row.items() if k.endswith("_graph_us") and v}
+        best = min(graphs, key=graphs.get)
+        row["best_graph"] = best
+        if row["cudnn_graph_us"] and row["default_graph_us"]:
+            row["best_graph_vs_cudnn"] = row["cudnn_graph_us"] / graphs[best]
+            row["default_graph_vs_cudnn"] = row["cudnn_graph_us"] / row["default_graph_us"]
+        print(row, flush=True)
+        rows.append(row)
+        del sets, chain_sets, q_sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def dsa_int8_rows(quick: bool) -> list[dict]:
     rows = []
     t, budget = 131072, 8192
@@ -90,10 +154,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=1 rows only")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves")
     args = ap.parse_args(argv)
     meta = gpu_meta()
     print(meta, flush=True)
-    rows = gqa_fused_rows(args.quick) + dsa_int8_rows(args.quick)
+    sections = args.sections.split(",")
+    rows = []
+    if "gqa_waves" in sections:
+        rows += gqa_wave_rows()
+    if "gqa_fused" in sections:
+        rows += gqa_fused_rows(args.quick)
+    if "dsa_int8" in sections:
+        rows += dsa_int8_rows(args.quick)
     notes = ["Same-process CUDA-graph replays (median over rotated input sets); see the module "
              "docstring for shapes. Command: PYTHONPATH=src python benchmarks/"
              "ab_decode_options.py"]  # fmt: skip
