@@ -482,6 +482,10 @@ BAD = [
         ValueError,
         "scale must be a finite float > 0",
     ),
+    ("bool scale", lambda kw: dict(kw, scale=True), ValueError, "scale must be a finite"),
+    ("bool scale off", lambda kw: dict(kw, scale=False), ValueError, "scale must be a finite"),
+    ("bool softcap", lambda kw: dict(kw, softcap=True), ValueError, "softcap"),
+    ("inf epsilon", lambda kw: dict(kw, qk_norm_epsilon=float("inf")), ValueError, "qk_norm_eps"),
     ("rotary no cos", lambda kw: dict(kw, do_rotary=True), ValueError, "cos_cache"),
     ("cos without rotary", lambda kw: dict(_rot(kw), do_rotary=False), ValueError, "cos_cache"),
     (

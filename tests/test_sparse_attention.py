@@ -684,6 +684,10 @@ def test_strict_accepts_valid_selection():
         (dict(num_heads=3), ValueError, "num_heads"),
         (dict(total_sequence_length=0), ValueError, "total_sequence_length"),
         (dict(scale=-0.5), ValueError, "scale must be a finite float > 0"),
+        (dict(scale=True), ValueError, "scale must be a finite float > 0"),
+        (dict(scale=False), ValueError, "scale must be a finite float > 0"),
+        (dict(qk_norm_epsilon=-1e-6), ValueError, "qk_norm_epsilon"),
+        (dict(qk_norm_epsilon=float("nan")), ValueError, "qk_norm_epsilon"),
         (dict(total_sequence_length=torch.tensor(10)), TypeError, "total_sequence_length"),
         (dict(attention_mode="dense"), ValueError, "attention_mode"),
         (dict(selected_kv_source="auxiliary"), ValueError, "valid pair"),
@@ -715,6 +719,16 @@ def test_strict_accepts_valid_selection():
             ),
             ValueError,
             "sin_cache must be contiguous",
+        ),
+        (  # a bool is no channel offset
+            dict(
+                do_rotary=True,
+                cos_cache=torch.ones(10, 2),
+                sin_cache=torch.ones(10, 2),
+                rotary_offset=True,
+            ),
+            ValueError,
+            "rotary_offset must be a non-negative int",
         ),
     ],
 )

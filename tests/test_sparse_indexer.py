@@ -270,6 +270,8 @@ def test_indexer_reads_the_cache_end_to_end():
         (dict(compress_ratio=0), ValueError, "compress_ratio"),
         (dict(token_budget=-3), ValueError, "token_budget"),
         (dict(scale=-1.0), ValueError, "scale"),
+        (dict(scale=True), ValueError, "scale must be a finite"),
+        (dict(scale=False), ValueError, "scale must be a finite"),
         (dict(total_sequence_length=1000), ValueError, "total_sequence_length"),
         (dict(backend="cuda"), ValueError, "backend"),
         (  # the Triton kernels read seqlens_k[b] at ptr + b

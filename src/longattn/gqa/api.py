@@ -18,6 +18,7 @@ from .._common import (
     data_checks_allowed,
     host_ranges,
     is_finite,
+    is_real,
 )
 from ._params import GQAParams
 from .chunked import gqa_chunked
@@ -330,19 +331,20 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
 
 
 def _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h):
-    if scale is None or scale == 0.0:
+    if scale is None or (is_real(scale) and scale == 0.0):
         scale = 1.0 / math.sqrt(h)
-    if not isinstance(scale, int | float) or not is_finite(scale) or scale < 0:
+    if not is_real(scale) or not is_finite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0.0 for 1/sqrt(H)), got {scale!r}"
         )
-    if not isinstance(softcap, int | float) or not softcap >= 0.0 or not is_finite(softcap):
+    if not is_real(softcap) or not softcap >= 0.0 or not is_finite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     w = local_window_size
     if not isinstance(w, int) or isinstance(w, bool) or (w <= 0 and w != -1):
         raise ValueError(f"local_window_size must be -1 (off) or a positive int, got {w!r}")
-    if not isinstance(qk_norm_epsilon, int | float) or not qk_norm_epsilon >= 0.0:
-        raise ValueError(f"qk_norm_epsilon must be a float >= 0, got {qk_norm_epsilon!r}")
+    eps = qk_norm_epsilon
+    if not is_real(eps) or not eps >= 0.0 or not is_finite(eps):
+        raise ValueError(f"qk_norm_epsilon must be a finite float >= 0, got {eps!r}")
     return float(scale)
 
 

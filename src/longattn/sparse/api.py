@@ -12,12 +12,14 @@ from .._attention_torch import contiguous_positions
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_nonneg_int,
     check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
     host_ranges,
     is_finite,
+    is_real,
 )
 from ._params import DSAParams
 from .chunked import dsa_chunked
@@ -539,8 +541,7 @@ def dynamic_sparse_attention(
             contiguous_last=True,
         )
         rot = 2 * cos_cache.shape[1]
-        if not isinstance(rotary_offset, int) or rotary_offset < 0:
-            raise ValueError(f"rotary_offset must be a non-negative int, got {rotary_offset!r}")
+        check_nonneg_int("rotary_offset", rotary_offset)
         if rot == 0 or rot + rotary_offset > h:
             raise ValueError(
                 f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, head_size - rotary_offset] "
@@ -555,12 +556,15 @@ def dynamic_sparse_attention(
     q_norm_weight = _check_opt("q_norm_weight", q_norm_weight, shape=(h,), **vec)
     k_norm_weight = _check_opt("k_norm_weight", k_norm_weight, shape=(h,), **vec)
     head_sink = _check_opt("head_sink", head_sink, shape=(n,), **vec)
-    if scale is None or scale == 0:
+    if scale is None or (is_real(scale) and scale == 0):
         scale = 1.0 / math.sqrt(h)
-    if not isinstance(scale, (int, float)) or not is_finite(scale) or scale < 0:
+    if not is_real(scale) or not is_finite(scale) or scale < 0:
         raise ValueError(
             f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
         )
+    eps = qk_norm_epsilon
+    if not is_real(eps) or not eps >= 0.0 or not is_finite(eps):
+        raise ValueError(f"qk_norm_epsilon must be a finite float >= 0, got {eps!r}")
     if query_dtype is not None and query_dtype not in _FLOATS:
         raise TypeError(f"query_dtype must be a float dtype or None, got {query_dtype}")
 

@@ -21,6 +21,7 @@ from .._common import (
     data_checks_allowed,
     host_ranges,
     is_finite,
+    is_real,
 )
 from .._rotary import apply_rotary, rms_norm
 from .chunked import indexer_chunked
@@ -443,9 +444,9 @@ def sparse_attention_indexer(
     )
     r = check_positive_int("compress_ratio", compress_ratio)
     budget = check_positive_int("token_budget", token_budget)
-    if scale is None or scale == 0:
+    if scale is None or (is_real(scale) and scale == 0):
         scale = di**-0.5
-    if not isinstance(scale, (int, float)) or not is_finite(scale) or scale < 0:
+    if not is_real(scale) or not is_finite(scale) or scale < 0:
         raise ValueError(f"scale must be a finite float > 0 (or None), got {scale!r}")
     nb = index_block_keys.shape[1]
     if total_sequence_length is not None:
