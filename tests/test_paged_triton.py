@@ -303,6 +303,58 @@ def test_split_and_unsplit_agree(device):
     torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=2e-3)
 
 
+def _tiny_key_twins(bt: Batch, k_pow: int) -> tuple[Batch, Batch]:
+    """(tiny, twin) of an int8 batch: ``tiny`` has the new keys and ``k_scale`` times 2**-k_pow
+    and the softmax scale times 2**k_pow (the cached integers unchanged); ``twin`` is the same
+    attention at the original scale, its new keys tiny's times 2**k_pow (exact: 2**-k_pow is
+    applied in the activation dtype first). Every logit and every cached or appended integer
+    is the same in exact arithmetic."""
+    f = 2.0**-k_pow
+    key = (bt.key.float() * f).to(bt.key.dtype)
+    p = dataclasses.replace(bt.p, k_scale=bt.p.k_scale * f, scale=bt.p.scale / f)
+    tiny = dataclasses.replace(bt, key=key, p=p)
+    twin = dataclasses.replace(bt, key=(key.float() / f).to(bt.key.dtype))
+    return tiny, twin
+
+
+def check_tiny_keys(c: Case, device, k_pow: int = 14) -> None:
+    """An int8 cache with tiny keys (``_tiny_key_twins``): Q * k_scale ~ 1e-6 .. 3e-5 (fp16
+    subnormals below 6.1e-5). The tier's error vs fp64 is within the house tolerance of the
+    same-precision baseline of the normal-scale twin (that baseline rounds the unfolded Q and
+    the dequantized K, which fp16 represents there), and its output and caches equal the twin's
+    bit for bit (the power-of-two factors of the Q rows are exact)."""
+    tiny, twin = _tiny_key_twins(build(c, device), k_pow)
+    outs, caches = [], []
+    for bt in (tiny, twin):
+        kc, vc = bt.key_cache.clone(), bt.value_cache.clone()
+        outs.append(paged_attention_triton(bt.query, bt.key, bt.value, kc, vc, bt.cu, bt.past,
+                                           bt.table, bt.p, decode_splits=c.decode_splits,
+                                           prefill_splits=c.prefill_splits,
+                                           min_chunk=c.min_chunk))  # fmt: skip
+        caches.append((kc, vc))
+    kt, vt = tiny.key_cache.clone(), tiny.value_cache.clone()
+    truth = paged_attention_reference(_up(tiny.query), _up(tiny.key), _up(tiny.value), kt, vt,
+                                      tiny.cu, tiny.past, tiny.table, tiny.p)  # fmt: skip
+    check_cache(tiny, tiny.key_cache, caches[0][0], kt, "key_cache")
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert_close_to_fp64(outs[0], truth, baseline(twin), k=2.0, out_dtype=tiny.query.dtype,
+                         name=f"paged triton {c.cache} tiny keys")  # fmt: skip
+    assert torch.equal(outs[0], outs[1]), "tiny keys: not the normal-scale twin's output"
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cache", ["int8", "int8_channel"])
+def test_paged_triton_int8_tiny_keys_pow2_q_rows(cache, device):
+    """int8 K cache, fp16 activations, keys ~3e-4 (k_scale ~2e-6, per tensor / per channel):
+    the folded Q is rounded to fp16 with power-of-two rows, the factors undone on the fp32
+    logits (before: ~6x the baseline's rms error, output not the twin's). Decode and prefill
+    sequences, key splits; softcap + sink with per-channel scales."""
+    ch = cache == "int8_channel"
+    c = Case(cache=cache, softcap=3.0 if ch else 0.0, sink="head" if ch else None,
+             decode_splits=4, prefill_splits=3 if ch else None, min_chunk=16)  # fmt: skip
+    check_tiny_keys(c, device)
+
+
 def test_gate_reasons():
     assert unsupported_reason(64, 16, FP16) is None
     assert unsupported_reason(128, 1, BF16) is None
@@ -378,6 +430,26 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_paged_triton_gpu(name, device):
     run_and_check(GPU_CASES[name], device)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(seqs=_ragged(4, 20000, 2), n=16, kv=4, h=64, block_size=256, act=BF16,
+             cache="int8_channel", sink="head"),
+        Case(seqs=((1, 9000), (700, 300), (1, 1), (513, 0)), n=32, kv=8, h=128, block_size=16,
+             act=BF16, cache="int8", softcap=30.0),
+        Case(seqs=((900, 0), (1, 5000), (333, 1000)), n=8, kv=8, h=64, block_size=64, act=FP16,
+             cache="int8_channel", window=512),
+    ],
+    ids=["decode-bf16-int8ch-sink", "mixed-bf16-int8-softcap", "mixed-fp16-int8ch-window"],
+)  # fmt: skip
+def test_paged_triton_int8_tiny_keys_gpu(c, device):
+    """Real shapes of ``check_tiny_keys``: bf16 activations take the fp16 power-of-two Q rows
+    too (the kernels' HAS_QSCALE builds; the interpreter cannot run bf16)."""
+    check_tiny_keys(c, device)
     torch.cuda.synchronize()
 
 

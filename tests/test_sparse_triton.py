@@ -239,8 +239,9 @@ def _p_dtype(q_dtype: torch.dtype, v_dtype: torch.dtype) -> torch.dtype:
 
 def lowp_dsa(kw, q_dtype=None):
     """Same-precision baseline: fp32 prologue, Q rounded once (an int8 main cache with 16-bit
-    activations in QSA mode: to fp16 with power-of-two rows), fp32 softmax, P rounded as the
-    tier's P.V operands are (``_p_dtype``), fp32 P.V. Independent of the tier's kernels."""
+    activations: to fp16 with power-of-two rows for the main-cache keys; local mode's auxiliary
+    keys take Q rounded to the activation dtype), fp32 softmax, P rounded as the tier's P.V
+    operands are (``_p_dtype``), fp32 P.V. Independent of the tier's kernels."""
     kw = _clone(kw)
     q_in = kw["query"]
     b, s, _ = q_in.shape
@@ -271,10 +272,10 @@ def lowp_dsa(kw, q_dtype=None):
         k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"),
     )  # fmt: skip
     local = kw["attention_mode"] == "local_plus_selected"
-    pow2 = (cache_dtype == torch.int8 and q_in.dtype != torch.float32 and not local
-            and not explicit_q)  # fmt: skip
-    qr = _round_fp16_rows(qf) if pow2 else qf.to(q_dtype).float()
-    qr = qr.reshape(b * s, kv, g, h)
+    pow2 = cache_dtype == torch.int8 and q_in.dtype != torch.float32 and not explicit_q
+    q_aux = qf.to(q_dtype).float().reshape(b * s, kv, g, h)
+    q_main = _round_fp16_rows(qf).reshape(b * s, kv, g, h) if pow2 else q_aux
+    main_q_dtype = torch.float16 if pow2 else q_dtype
     aux_k = kw.get("auxiliary_key")
     aux_v = aux_k if kw.get("auxiliary_kv_shared") else kw.get("auxiliary_value")
     segs = dsa_candidates(
@@ -288,10 +289,11 @@ def lowp_dsa(kw, q_dtype=None):
     for seg in segs:
         main = seg.source == "main"
         kc, vc = (pk, pv) if main else (aux_k, aux_v)
+        qr = q_main if main else q_aux
         kr = from_cache(gather_rows(kc, rows_b, seg.pos), kw.get("k_scale") if main else None,
                         kv_axis=-2)  # fmt: skip
         vr = gather_rows(vc, rows_b, seg.pos)
-        v_dt = _p_dtype(q_dtype, vr.dtype)
+        v_dt = _p_dtype(main_q_dtype if main else q_dtype, vr.dtype)
         vr = from_cache(vr, kw.get("v_scale") if main else None, kv_axis=-2)
         vr = torch.where(seg.ok[:, :, None, None], vr, 0.0)
         xs.append(torch.einsum("rkgh,rlkh->rkgl", qr, kr) / math.sqrt(h))
@@ -694,6 +696,48 @@ def test_dsa_int8_pow2_q_rows_never_overflow(variant):
     assert_close_to_fp64(base, truth_of(kw), lowp_dsa(kw), name="dsa triton int8 pow2")
 
 
+def _tiny_key_twins(kw, k_pow):
+    """(tiny, twin) of an int8 local-mode case without K-norm: ``tiny`` has the new keys, the
+    auxiliary keys and ``k_scale`` times 2**-k_pow and the softmax scale times 2**k_pow (the
+    cached integers unchanged); ``twin`` is the same attention at the original scale, its keys
+    tiny's times 2**k_pow (exact: 2**-k_pow is applied in the activation dtype first). Every
+    logit and every cached or appended integer is the same in exact arithmetic."""
+    f = 2.0**-k_pow
+    h = kw["query"].shape[-1] // kw["num_heads"]
+    tiny = dict(kw, k_norm_weight=None, k_scale=kw["k_scale"] * f, scale=h**-0.5 / f)
+    twin = dict(kw, k_norm_weight=None, scale=h**-0.5)
+    for name in ("key", "auxiliary_key"):
+        tiny[name] = (kw[name].float() * f).to(kw[name].dtype)
+        twin[name] = (tiny[name].float() / f).to(kw[name].dtype)
+    return tiny, twin
+
+
+def check_tiny_keys(kw, k_pow=14):
+    """An int8 main cache with tiny keys (``_tiny_key_twins``): the window's Q * k_scale ~ 1e-6
+    .. 3e-5 (fp16 subnormals below 6.1e-5). The tier's error vs fp64 is within the house
+    tolerance of the same-precision baseline of the normal-scale twin, and its output and
+    caches equal the twin's bit for bit (the power-of-two factors of the Q rows are exact)."""
+    tiny, twin = _tiny_key_twins(kw, k_pow)
+    got, gk, gv = run(tiny, backend="triton")
+    want, wk, wv = run(twin, backend="triton")
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)  # the same integers appended
+    assert_close_to_fp64(got, truth_of(tiny), lowp_dsa(twin), name="dsa triton tiny keys")
+    assert torch.equal(got, want), "tiny keys: not the normal-scale twin's output"
+    return got
+
+
+@interpret
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_dsa_local_int8_tiny_keys_pow2_q_rows(per_channel):
+    """local_plus_selected with an int8 main cache, fp16 activations, keys ~3e-4 (k_scale ~2e-6
+    per tensor / per channel): the window keys' folded Q is rounded to fp16 with power-of-two
+    rows, undone on their fp32 logits only; the auxiliary keys' unfolded Q is unscaled (before:
+    8-14x the baseline's rms error, output not the twin's)."""
+    kw = build(78 + per_channel, cache_dtype=torch.int8, per_channel=per_channel,
+               mode="local_plus_selected", s=2, h=32, m=24, window=8)  # fmt: skip
+    check_tiny_keys(kw)
+
+
 @interpret
 def test_dsa_query_dtype_and_fp16_value():
     kw = build(10, dtype=torch.float32, cache_dtype=torch.float16, v_dtype=torch.float16, h=32)
@@ -951,6 +995,27 @@ def test_gpu_dsa_fused_prologue_matches_the_prologue_kernel(cache, mode, extra):
     assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
     _assert_within_roundings(got, base, 2)
     assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
+
+
+@gpu
+@pytest.mark.parametrize(
+    "b,s,h,group,kv,past,dtype,per_channel",
+    [
+        (2, 1, 128, 4, 2, (8000, 333), torch.bfloat16, True),
+        (1, 8, 256, 6, 4, (20000,), torch.bfloat16, False),
+        (2, 1, 128, 8, 2, (10000, 4096), torch.float16, True),
+    ],
+)
+def test_gpu_dsa_local_int8_tiny_keys(b, s, h, group, kv, past, dtype, per_channel):
+    """Real shapes of ``check_tiny_keys`` (local_plus_selected, int8 main cache): bf16
+    activations take the fp16 power-of-two window Q too, with a bf16 unfolded Q for the
+    auxiliary keys (the interpreter cannot run bf16)."""
+    kw = build(
+        b * 1000 + s * 10 + h, device="cuda", b=b, s=s, n=kv * group, kv=kv, h=h, past=past,
+        mode="local_plus_selected", dtype=dtype, cache_dtype=torch.int8, m=2111, window=128,
+        aux_len=4096, per_channel=per_channel,
+    )  # fmt: skip
+    assert torch.isfinite(check_tiny_keys(kw)).all()
 
 
 @gpu

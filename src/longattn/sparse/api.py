@@ -354,10 +354,11 @@ def dynamic_sparse_attention(
             fp16 with bf16 activations, as ORT's FP16-query path does). None: the torch tiers
             keep Q in fp32; the triton tier rounds Q once to the dot dtype (fp16 for bf16
             activations with an fp16 cache, else the activation dtype; for an int8 K cache the
-            k_scale is folded into Q before that rounding, and in selected_only mode with
-            16-bit activations that Q is fp16 with each (token, head) row scaled by a power of
-            two: 11 significant bits, no overflow or underflow, the factor undone exactly on
-            the fp32 logits; int8 V enters the P.V dot as fp16 with P rounded to fp16).
+            k_scale is folded into Q before that rounding, and with 16-bit activations that Q
+            is fp16 with each (token, head) row scaled by a power of two: 11 significant bits,
+            no overflow or underflow, the factor undone exactly on the fp32 logits; in
+            local_plus_selected mode the float auxiliary keys take a second Q without the fold,
+            in the activation dtype; int8 V enters the P.V dot as fp16 with P rounded to fp16).
         validate: how much of the index tensors' *values* is checked on the host (each level
             **synchronizes with the device** once; all skipped under torch.compile tracing and
             CUDA-graph capture). ``False`` (default): seqlens_k's range and position_ids inside

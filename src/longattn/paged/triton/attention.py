@@ -19,6 +19,10 @@ prefill kernel.
 An item of an unsplit sequence finishes its rows (sink, ``1 / l``, ``v_scale``, one rounding)
 directly into the output; an item of a split sequence writes fp32 partials (normalized ``o`` and
 its log2-domain ``lse``) that ``paged_merge_kernel`` (grid: (split tiles bound, KV)) combines.
+
+``HAS_QSCALE`` (int8 K cache, 16-bit activations): Q rows come power-of-two scaled in fp16 from
+the prologue; each row's fp32 dot products are multiplied by its inverse factor (``qs``) before
+softcap, mask and softmax (``_core.scores``' ``row_scale``), as in the GQA kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..._triton_utils import wait_prior_grids
 from ...gqa.triton._core import (
     add_sink,
     causal_window_mask,
+    load_row_scale,
     normalize,
     online_softmax_step,
     scores,
@@ -91,7 +96,7 @@ def load_paged_tile(
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off, stride_slot, window,
-    qk_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -100,7 +105,7 @@ def _attend_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
                         BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
-    s, unit = scores(q, k, qk_scale, 1.0, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
+    s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
@@ -112,13 +117,14 @@ def _attend_tile(
 @triton.jit
 def _attend_range(
     acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, lo, hi, end, head_off, stride_slot,
-    max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD: tl.constexpr,
+    max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched. The
-    interpreter (numpy 2) cannot take tensor bounds in ``range``: it runs a while loop."""
+    """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched.
+    ``row_scale``: ``[ROWS, 1]`` fp32 factors of the rows' dots (power-of-two Q rows), or 1.0.
+    The interpreter (numpy 2) cannot take tensor bounds in ``range``: it runs a while loop."""
     blk = next_blocks(table_row, lo, max_blocks, num_blocks, BLOCK_N, BLOCK_SIZE)
     if INTERPRET:
         start_n = lo
@@ -127,8 +133,8 @@ def _attend_range(
                               BLOCK_SIZE)  # fmt: skip
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
-                stride_slot, window, qk_scale, softcap_mult, HEAD, BLOCK_N, BLOCK_SIZE, MASKED,
-                HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+                stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
+                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
             blk = nxt
             start_n += BLOCK_N
@@ -138,8 +144,8 @@ def _attend_range(
                               BLOCK_SIZE)  # fmt: skip
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
-                stride_slot, window, qk_scale, softcap_mult, HEAD, BLOCK_N, BLOCK_SIZE, MASKED,
-                HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+                stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
+                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
             blk = nxt
     return acc, m_i, l_i
@@ -177,6 +183,7 @@ def paged_attn_kernel(
     table_ptr,  # [B, max_blocks] int32
     sink_ptr,  # [N]
     vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
+    qs_ptr,  # [tokens, N] fp32 inverse power-of-two factor of each Q row (HAS_QSCALE)
     batch,
     tokens,  # rows of q / o: a query row outside [0, tokens) (bad cu_seqlens) is skipped
     max_blocks,
@@ -205,6 +212,7 @@ def paged_attn_kernel(
     HAS_SINK: tl.constexpr,
     SINK_FROM_PTR: tl.constexpr,
     HAS_VSCALE: tl.constexpr,
+    HAS_QSCALE: tl.constexpr,  # Q rows carry a power-of-two scale (qs_ptr): int8 K in fp16
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -241,6 +249,8 @@ def paged_attn_kernel(
         qpos = tl.where(row_ok, past + s_idx, -1)  # rows that must see nothing get qpos -1
         q_ptrs = q_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [ROWS, HEAD]
+        # [ROWS, 1] (or 1.0): the varlen batch is one sequence of ``tokens`` rows of qs
+        row_scale = load_row_scale(qs_ptr, 0, 0, tok, n_idx, row_ok, NUM_HEADS, HAS_QSCALE)
 
         # Key range of the tile, then of this split.
         q_lo = past + t_lo
@@ -272,21 +282,24 @@ def paged_attn_kernel(
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, start, mid_lo, end, head_off,
-            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
+            HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_lo, mid_hi, end, head_off,
-            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=False, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
+            HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=False,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_hi, end, end, head_off,
-            stride_slot, max_blocks, num_blocks, window, qk_scale, softcap_mult, HEAD=HEAD,
-            BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
-            HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
+            HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
+            HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
         )  # fmt: skip
 
         if splits == 1:

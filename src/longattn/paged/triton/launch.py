@@ -10,8 +10,10 @@ DEC_TOK = ROWS_D // group new tokens, ROWS_D = 16 rows for group <= 16) and its 
 prefill launch (``S_b > DEC_TOK``, 128-row tiles) when ``tokens > DEC_TOK``, and its merge when
 the batch is small enough for prefill tiles to be split too.
 
-Dot dtype: fp16 with an fp16 cache, else the activation dtype (as the GQA tier); fp32
-activations use exact fp32 dots (``input_precision="ieee"``).
+Dot dtype (as the GQA tier): fp16 with an fp16 cache; fp16 with an int8 cache and 16-bit
+activations, Q rows scaled by powers of two that the attention kernel undoes on the fp32 dot
+products (``q_pow2``; ``q_scale``); else the activation dtype. fp32 activations use exact fp32
+dots (``input_precision="ieee"``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,18 @@ MAX_DECODE_EXTRA = 4096  # cap of that budget (fp32 partials: extra x KV x ROWS 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
 
 
+def q_pow2(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Power-of-two Q rows: an int8 cache with 16-bit activations. The prologue folds k_scale
+    into Q, scales each (token, head) row by the power of two that puts its largest magnitude in
+    ``[2**14, 2**15)`` and rounds once to fp16 (a small ``q * k_scale`` never lands in fp16's
+    subnormals); the attention kernel multiplies the row's fp32 dots by the inverse factor."""
+    return cache_dtype == torch.int8 and act_dtype in (torch.float16, torch.bfloat16)
+
+
 def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    return torch.float16 if cache_dtype == torch.float16 else act_dtype
+    if cache_dtype == torch.float16 or q_pow2(act_dtype, cache_dtype):
+        return torch.float16
+    return act_dtype
 
 
 def is_power_of_two(x: int) -> bool:
@@ -72,8 +84,11 @@ def _prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int
     return block_h, 4 if block_h * head_pad <= 2048 else 8
 
 
-def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, q_rot):
-    """QK-norm + rotary of Q (-> q_rot [tokens, N, H]) and new K; K/V written to their slots."""
+def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, q_rot,
+                 q_scale=None):  # fmt: skip
+    """QK-norm + rotary of Q (-> q_rot [tokens, N, H]) and new K; K/V written to their slots.
+    ``q_scale [tokens, N]`` fp32 (``q_pow2``, fp16 q_rot): receives each Q row's inverse power
+    of two (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
     tokens = query.shape[0]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     block_h, num_warps = _prologue_block_heads(n, kv, h)
@@ -102,6 +117,7 @@ def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, 
         vc_ptr=value_cache,
         ks_ptr=p.k_scale if quant_k else q_rot,
         vs_ptr=p.v_scale if quant_v else q_rot,
+        qs_ptr=q_scale if q_scale is not None else q_rot,
         batch=batch,
         max_blocks=table.shape[1],
         num_blocks=key_cache.shape[0],
@@ -132,6 +148,7 @@ def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, 
         HAS_KNORM=p.k_norm_weight is not None,
         K_QUANT=quant_k,
         V_QUANT=quant_v,
+        Q_POW2=q_scale is not None,
         num_warps=num_warps,
     )
 
@@ -169,9 +186,10 @@ def launch_shapes(p: PagedParams, cache_dtype, dot_dtype, block_size: int, *, de
     return {"decode": (rows_d, rows_d // group, cfg_d), "prefill": (rows_p, rows_p // group, cfg_p)}
 
 
-def run_attention(q_rot, key_cache, value_cache, cu, past, table, p, out, *, flavor, rows,
-                  tok_m, dec_tok, cfg, extra, min_chunk=None, grid_items):  # fmt: skip
-    """One launch of the paged attention kernel over ``flavor``'s sequences (+ its merge)."""
+def run_attention(q_rot, q_scale, key_cache, value_cache, cu, past, table, p, out, *, flavor,
+                  rows, tok_m, dec_tok, cfg, extra, min_chunk=None, grid_items):  # fmt: skip
+    """One launch of the paged attention kernel over ``flavor``'s sequences (+ its merge).
+    ``q_scale [tokens, N]`` fp32: the inverse power of two of each Q row (None: unscaled)."""
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     batch = past.shape[0]
     cfg = dict(cfg)
@@ -197,10 +215,11 @@ def run_attention(q_rot, key_cache, value_cache, cu, past, table, p, out, *, fla
     paged_attn_kernel[(grid_items, kv)](
         **pdl_kwargs(q_rot),
         q_ptr=q_rot, kc_ptr=key_cache, vc_ptr=value_cache, o_ptr=out, o_part_ptr=o_part,
-        lse_part_ptr=lse_part, table_ptr=table, max_blocks=table.shape[1],
+        lse_part_ptr=lse_part, table_ptr=table,
+        qs_ptr=q_scale if q_scale is not None else q_rot, max_blocks=table.shape[1],
         num_blocks=key_cache.shape[0], stride_table=table.stride(0), qk_scale=qk_scale,
         softcap_mult=softcap_mult, BLOCK_SIZE=key_cache.shape[1],
-        HAS_SOFTCAP=p.softcap > 0, DOT_DTYPE=_TL_DTYPES[dot],
+        HAS_SOFTCAP=p.softcap > 0, HAS_QSCALE=q_scale is not None, DOT_DTYPE=_TL_DTYPES[dot],
         DOT_PREC="ieee" if dot == torch.float32 else "tf32", INTERPRET=_interpret(),
         **common, **cfg,
     )  # fmt: skip
@@ -258,13 +277,16 @@ def paged_attention_triton(
         return out
     dot = dot_dtype_for(query.dtype, key_cache.dtype)
     q_rot = _empty((tokens, n, h), dtype=dot, device=query.device)
+    q_scale = None
+    if q_pow2(query.dtype, key_cache.dtype):
+        q_scale = _empty((tokens, n), dtype=torch.float32, device=query.device)
     run_prologue(query, key, value, key_cache, value_cache, cu_seqlens, past_seqlens,
-                 block_table, p, q_rot)  # fmt: skip
+                 block_table, p, q_rot, q_scale)  # fmt: skip
     shapes = launch_shapes(p, key_cache.dtype, dot, bs, decode_cfg=decode_cfg,
                            prefill_cfg=prefill_cfg)  # fmt: skip
     batch = past_seqlens.shape[0]
     target = cdiv(WAVES * _device_sms(query), kv)  # items that fill the SMs
-    args = (q_rot, key_cache, value_cache, cu_seqlens, past_seqlens, block_table, p, out)
+    args = (q_rot, q_scale, key_cache, value_cache, cu_seqlens, past_seqlens, block_table, p, out)
     rows_d, tok_d, cfg_d = shapes["decode"]
     # Ragged decode batches balance better with more, smaller items than "fill the SMs" gives:
     # H200, ragged T 1K..64K, bs 64: B=64 2654 us at the SM target (66 items/KV head) vs 2203 us

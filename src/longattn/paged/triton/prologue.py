@@ -8,6 +8,12 @@ program of the first kind writes BLOCK_H rotated query heads to the Q scratch ``
 GQA tier). A program of the second kind writes BLOCK_H key heads and the matching value heads to
 block ``block_table[b, pos // BLOCK_SIZE]``, row ``pos % BLOCK_SIZE``, converted or quantized
 once; only that slot is written, and only when the table entry is a block in ``[0, num_blocks)``.
+
+int8 K cache with 16-bit activations (``Q_POW2``): the Q scratch is fp16 and each (token, head)
+row of the folded Q is multiplied by the power of two that puts its largest magnitude in
+``[2**14, 2**15)`` before its one rounding (``pow2_rows``: 11 significant bits, no overflow, and
+no fp16 subnormals from a small ``q * k_scale``); the inverse factors go to ``qs [tokens, N]``
+fp32, which the attention kernel applies to the rows' fp32 dot products (exact).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_prologue import norm_rope_heads, store_cache_rows
+from ..._triton_prologue import norm_rope_heads, pow2_rows, store_cache_rows
 from ..._triton_utils import wait_prior_grids
 from ._schedule import pick, sequence_of_token
 
@@ -37,6 +43,7 @@ def paged_prologue_kernel(
     vc_ptr,
     ks_ptr,  # fp32 k_scale [1] or [KV, 1, HEAD]
     vs_ptr,
+    qs_ptr,  # [tokens, N] fp32 out (Q_POW2): the inverse power of two of each Q row
     batch,
     max_blocks,
     num_blocks,
@@ -67,6 +74,7 @@ def paged_prologue_kernel(
     HAS_KNORM: tl.constexpr,
     K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
+    Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
     PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -100,6 +108,10 @@ def paged_prologue_kernel(
                 other=0.0,
             )  # [BLOCK_H, HEAD_PAD]
             x = x * ks
+        if Q_POW2:
+            x, unscale = pow2_rows(x)  # [BLOCK_H, HEAD_PAD], [BLOCK_H]
+            qs_dst = qs_ptr + t * NUM_HEADS + offs_h  # [BLOCK_H]
+            tl.store(qs_dst, unscale, mask=offs_h < NUM_HEADS)
         dst = qout_ptr + (t * NUM_HEADS + offs_h.to(tl.int64))[:, None] * HEAD + offs_d[None, :]
         tl.store(dst, x.to(qout_ptr.dtype.element_ty), mask=mask)
     else:

@@ -22,11 +22,13 @@ the sink (``head_sink`` or the ``smooth_softmax`` zero logit) enters the denomin
 once; one rounding to the output dtype. A row with nothing valid gives zeros.
 
 Dot operands: Q in the "Q dtype" (``q_dtype_for``; rounded once; an int8 K cache has its scale
-folded into Q before that rounding, so K's stored integers enter the dot exactly; in QSA mode
-with 16-bit activations that Q is fp16 with power-of-two rows, ``q_pow2``); a K tile enters the
-dot in Q's dtype when it has that dtype (or is int8: ``cache_to_dot``), otherwise both are
-upcast to fp32 (exact ``ieee`` dot). P is rounded to the V tile's 16-bit dtype for the P.V dot
-(fp32 V: exact fp32 dot; int8 V: fp16, whose integers are exact).
+folded into Q before that rounding, so K's stored integers enter the dot exactly; with 16-bit
+activations that Q is fp16 with power-of-two rows, ``q_pow2``); in local mode with an int8 main
+cache, the float auxiliary keys meet a second Q without the fold (``qa_ptr``, in
+``plain_q_dtype``, unscaled). A K tile enters the dot in its Q's dtype when it has that dtype
+(or is int8: ``cache_to_dot``), otherwise both are upcast to fp32 (exact ``ieee`` dot). P is
+rounded to the V tile's 16-bit dtype for the P.V dot (fp32 V: exact fp32 dot; int8 V: fp16,
+whose integers are exact).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def _attend_tile(
 @triton.jit
 def dsa_split_kernel(
     q_ptr,  # [B, S, N, HEAD] prepared Q (Q dtype; int8 K: * k_scale), contiguous (unfused)
-    qa_ptr,  # the same without the k_scale fold (for auxiliary K; == q_ptr when no fold)
+    qa_ptr,  # Q without the k_scale fold or row scaling, for auxiliary K (== q_ptr: no fold)
     kc_ptr,  # [B, KV, C, HEAD] main cache (float or int8)
     vc_ptr,
     ka_ptr,  # [B, KV, A, HEAD] auxiliary K (float; dummy without SEL_AUX)
@@ -361,18 +363,19 @@ def dsa_split_kernel(
 
 
 def q_pow2(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Power-of-two Q rows: an int8 main K cache with 16-bit activations in QSA mode (selected
-    keys from the main cache) and no ``query_dtype`` asked for. Each (token, head) row of the
-    prepared Q (k_scale folded in) is multiplied by the power of two that puts its largest
-    magnitude in ``[2**14, 2**15)`` and rounded once to fp16 (11 significant bits: never an
-    overflow, no underflow of a small ``q * k_scale``, 3 bits more than bf16); the kernel undoes
-    the factor on the fp32 dot products. The int8 K tiles then enter fp16 dots through
-    ``int8x4_to_fp16`` (no I2F conversion), as the GQA tier's decode does."""
+    """Power-of-two Q rows: an int8 main K cache with 16-bit activations and no ``query_dtype``
+    asked for. Each (token, head) row of the prepared Q (k_scale folded in) is multiplied by the
+    power of two that puts its largest magnitude in ``[2**14, 2**15)`` and rounded once to fp16
+    (11 significant bits: never an overflow, no underflow of a small ``q * k_scale``, 3 bits
+    more than bf16); the kernel undoes the factor on the fp32 dot products of the main-cache
+    keys. The int8 K tiles then enter fp16 dots through ``int8x4_to_fp16`` (no I2F conversion),
+    as the GQA tier's decode does. Local mode with auxiliary keys: only the folded Q (the
+    window's main-cache keys) is scaled; the auxiliary keys take the unfolded Q in
+    ``plain_q_dtype``."""
     return (
         cache_dtype == torch.int8
         and act_dtype in (torch.float16, torch.bfloat16)
         and p.query_dtype is None
-        and p.selected_kv_source == "main"
     )
 
 
@@ -390,6 +393,13 @@ def q_dtype_for(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) 
     if q_pow2(p, act_dtype, cache_dtype):
         return torch.float16
     return act_dtype
+
+
+def plain_q_dtype(p: DSAParams, act_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the second, unfolded Q (``q_plain``, the float auxiliary keys' operand
+    when the main K cache is int8): ``p.query_dtype`` when given, else the activation dtype
+    (the fp16 of ``q_pow2`` is the folded Q's only)."""
+    return p.query_dtype or act_dtype
 
 
 def _qk_operands(q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple:
@@ -509,7 +519,8 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
                  q_plain=None, q_scale=None):  # fmt: skip
     """QK-norm + rotary of Q (-> ``q_rot [B, S, N, H]``, int8 K: ``* k_scale`` then one
     rounding) and of the new K; K (rounded/quantized once) and raw V appended at rows qpos.
-    ``q_plain`` (torch path only): also Q without the k_scale fold (for auxiliary keys).
+    ``q_plain`` (torch path only): also Q without the k_scale fold or row scaling (for
+    auxiliary keys), rounded once to its own dtype (``plain_q_dtype``).
     ``q_scale [B, S, N]`` fp32 (``q_pow2``): receives each Q row's inverse power of two (the
     rows of ``q_rot`` are scaled by it, see ``q_pow2``).
 
@@ -605,7 +616,8 @@ def dsa_triton(
         fused = fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
     else:
         q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
-        q_plain = _empty((b, s, n, h), dtype=q_dtype, device=dev) if two_q else None
+        qa_dtype = plain_q_dtype(p, query.dtype)  # the auxiliary dots' Q (unfolded, unscaled)
+        q_plain = _empty((b, s, n, h), dtype=qa_dtype, device=dev) if two_q else None
         q_scale = _empty((b, s, n), dtype=torch.float32, device=dev) if pow2 else None
         run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
                      use_triton, q_plain, q_scale)  # fmt: skip
@@ -627,8 +639,9 @@ def dsa_triton(
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     main_qk = _qk_operands(q_dtype, present_key.dtype)
     main_pv = _pv_operands(q_dtype, present_value.dtype)
-    sel_qk = _qk_operands(q_dtype, aux_k.dtype) if sel_aux else main_qk
-    sel_pv = _pv_operands(q_dtype, aux_v.dtype) if sel_aux else main_pv
+    sel_q = q_plain.dtype if q_plain is not None else q_dtype
+    sel_qk = _qk_operands(sel_q, aux_k.dtype) if sel_aux else main_qk
+    sel_pv = _pv_operands(sel_q, aux_v.dtype) if sel_aux else main_pv
     q_any = query if q_rot is None else q_rot  # (a dummy pointer when fused)
     dsa_split_kernel[(splits, kv, rows)](
         **pdl_kwargs(query),
