@@ -87,13 +87,13 @@ def _wave_splits(b: int, t: int, resident: int, block_n: int, num_sms: int) -> l
     return out
 
 
-def gqa_wave_rows() -> list[dict]:
+def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
     from longattn.gqa.triton import launch
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cudnn = gqa._sdpa("cudnn")
-    for b, t in WAVE_SHAPES:
+    for b, t in shapes:
         dt = torch.bfloat16
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, 2))
         chain_sets = gqa._chain_sets(sets, b, t, dt)
@@ -106,6 +106,8 @@ def gqa_wave_rows() -> list[dict]:
         row["default_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
         row["default_chain_us"] = gqa._chain_time_or_none(gqa._decode_fn(p), chain_sets)
         for name, bn, st in WAVE_CFGS:
+            if cfg_names is not None and name not in cfg_names:
+                continue
             cfg = dict(base, BLOCK_N=bn, num_stages=st)
             res = launch.resident_ctas(cfg, 128, 2)
             dflt = launch.choose_num_splits(b, gqa.KV, t, bn, sms, res)
@@ -155,13 +157,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="B=1 rows only")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves")
+    ap.add_argument("--wave-shapes", default=None, help="gqa_waves: BxT list, e.g. 32x4096")
+    ap.add_argument("--wave-cfgs", default=None, help="gqa_waves: WAVE_CFGS names to run")
     args = ap.parse_args(argv)
     meta = gpu_meta()
     print(meta, flush=True)
     sections = args.sections.split(",")
     rows = []
     if "gqa_waves" in sections:
-        rows += gqa_wave_rows()
+        shapes = WAVE_SHAPES
+        if args.wave_shapes:
+            shapes = [tuple(int(x) for x in bt.split("x")) for bt in args.wave_shapes.split(",")]
+        names = args.wave_cfgs.split(",") if args.wave_cfgs else None
+        rows += gqa_wave_rows(shapes, names)
     if "gqa_fused" in sections:
         rows += gqa_fused_rows(args.quick)
     if "dsa_int8" in sections:
