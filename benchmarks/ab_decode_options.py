@@ -49,7 +49,7 @@ def gqa_fused_rows(quick: bool) -> list[dict]:
     for dt, b, t in shapes:
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
         fns = {"default": gqa._decode_fn(p),
-               "unfused": gqa._decode_fn(p, gqa._variant_cfg(dt, "unfused"))}  # fmt: skip
+               "unfused": gqa._decode_fn(p, gqa._variant_cfg(dt, "unfused", b))}  # fmt: skip
         chain_sets = gqa._chain_sets(sets, b, t, dt)  # the same caches for every variant
         row = dict(section="gqa_fused", cache=str(dt).removeprefix("torch."), B=b, T=t)
         for rep in (1, 2):
@@ -98,7 +98,7 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, 2))
         chain_sets = gqa._chain_sets(sets, b, t, dt)
         nbytes = 2 * b * gqa.KV * t * 128 * 2
-        base = launch.decode_config(128, dt, dt, False)
+        base = launch.decode_config(128, dt, dt, False, b * gqa.KV, sms)
         row = dict(section="gqa_waves", B=b, T=t, KV_MB=nbytes / 1e6)
         q_sets = [(torch.randn(b, gqa.N, 1, 128, device=gqa.DEV, dtype=dt), s[3], s[4], False)
                   for s in sets]  # fmt: skip

@@ -271,11 +271,18 @@ def _decode_fn(p, cfg=None, splits=None):
 DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False)}
 
 
-def _variant_cfg(cache_dtype, name):
-    """The default decode config with the option of variant ``name`` (DECODE_VARIANTS)."""
+def _variant_cfg(cache_dtype, name, b=1):
+    """The default decode config at batch ``b`` with the option of variant ``name``
+    (DECODE_VARIANTS)."""
     dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
     key, value = DECODE_VARIANTS[name]
-    return dict(launch.decode_config(128, dot, cache_dtype, False), **{key: value})
+    sms = (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available()
+        else 0
+    )
+    cfg = launch.decode_config(128, dot, cache_dtype, False, b * KV, sms)
+    return dict(cfg, **{key: value})
 
 
 CHAIN = 4  # decode steps over distinct caches in one graph (``ours_chain_us``)
@@ -348,7 +355,7 @@ def decode(rows, best, copy_tbs):
             if b == 1:
                 row["kernels_eager_us"] = _kernels(_decode_fn(p), sets[0])
             for v in DECODE_VARIANTS:
-                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v)), sets)
+                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v, b)), sets)
                 row[f"ours_{v}_graph_us"] = v_us
                 row[f"{v}_graph_pct_of_copy_bw"] = _pct_of_copy(nbytes, v_us, copy_tbs)
             print(f"  {row}", flush=True)
@@ -372,7 +379,7 @@ def cache_dtypes(rows, copy_tbs):
             if res.get("bf16") and res[name]:
                 row["speedup_vs_bf16"] = res["bf16"] / res[name]
             for v in DECODE_VARIANTS:
-                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(dt, v)), sets)
+                v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(dt, v, b)), sets)
                 row[f"ours_{v}_graph_us"] = res[f"{name}_{v}"] = v_us
                 if res.get(f"bf16_{v}") and v_us:
                     row[f"{v}_speedup_vs_bf16_{v}"] = res[f"bf16_{v}"] / v_us

@@ -13,6 +13,7 @@ use real shapes, bf16 included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -448,6 +449,22 @@ def test_split_choice_is_host_only():
     assert launch.resident_ctas(dict(BLOCK_N=128, num_warps=4, num_stages=3), 128, 1) == 2
 
 
+@pytest.mark.interpret
+def test_decode_stages_follow_the_pair_count():
+    """16-bit caches at H <= 128: 4 stages (one CTA per SM) below 1.5 waves of (sequence, KV
+    head) pairs, 2 stages (3 CTAs per SM) from there on (gqa_waves_b*_h100.json)."""
+    bf16, i8 = torch.bfloat16, torch.int8
+    cfg = functools.partial(launch.decode_config, interpret=False, num_sms=132)
+    assert cfg(128, bf16, bf16, pairs=128)["num_stages"] == 4
+    assert cfg(128, bf16, bf16, pairs=192)["num_stages"] == 4  # B=24: 2 stages lost there
+    big = cfg(128, bf16, bf16, pairs=256)
+    assert big["num_stages"] == 2 and launch.resident_ctas(big, 128, 2) == 3
+    assert cfg(64, torch.float16, torch.float16, pairs=198)["num_stages"] == 2
+    assert cfg(256, bf16, bf16, pairs=256)["num_stages"] == 3  # H=256: unchanged
+    assert cfg(128, torch.float16, i8, pairs=256) == cfg(128, torch.float16, i8, pairs=8)
+    assert launch.decode_config(128, bf16, bf16, False)["num_stages"] == 4  # pairs unknown
+
+
 # ------------------------------------------------------------------------------------------
 # GPU tests: real shapes.
 
@@ -500,6 +517,11 @@ GPU_CASES = {
     ),
     "decode-fp32-h128": Case(
         b=2, s=1, lens=(5000, 77), first_prompt=False, n=8, kv=2, h=128, act=torch.float32
+    ),
+    # 1.5 waves of (sequence, KV head) pairs or more: the 2-stage split kernel (decode_config)
+    "decode-bf16-h128-b28-ragged": Case(
+        b=28, s=1, lens=tuple(1 + (977 * i) % 3000 for i in range(28)), first_prompt=False,
+        n=32, kv=8, h=128, act=torch.bfloat16, sink="head",
     ),
 }  # fmt: skip
 

@@ -331,9 +331,11 @@ def gqa_decode_split_kernel(
     tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
 
 
-def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
+def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int = 0,
+                  num_sms: int = 0) -> dict:  # fmt: skip
     """(BLOCK_N, num_warps, num_stages, FUSE_PROLOGUE) of the split kernel, keyed on head size,
-    dot and cache dtype. H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at
+    dot and cache dtype, and on ``pairs`` = B * KV (sequence, KV head) pairs vs ``num_sms``
+    (0: unknown). H200, bf16 H=128: BLOCK_N 32..128 with 4 warps all reach ~4.4 TB/s at
     B*T >= 256K.
     int8 tiles use twice the keys (same bytes per tile) and 3 stages: B=8, T=128K 658 us vs 699
     (64, 4 stages), 664 (128, 4 stages), 850 (128, 8 warps) (session 10). With fp16 K
@@ -351,6 +353,17 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
+        if head <= 128 and num_sms and 2 * pairs >= 3 * num_sms:
+            # 1.5 waves of (sequence, KV head) pairs or more (one split each): 2 stages (64 KB,
+            # 3 CTAs per SM) instead of 2+ waves of one CTA per SM. H100, same process
+            # (gqa_waves_b32_h100.json, gqa_waves_b20_64_h100.json), 2 vs 4 stages: B=32
+            # T=4K / 32K / 128K 179.0-179.4 vs 182.0-183.9 us, 1345.8 vs 1349.9-1355.0,
+            # 5337.7 vs 5345.6-5349.1 (cuDNN 175.0 / 1339.3 / 5332.0); B=64 T=4K 348.2 vs
+            # 353.7 (342.8); B=28 T=4K / 32K 158.9 vs 167.7, 1189.3 vs 1249.9 (159.2 / 1218.9,
+            # gqa_waves_b28_h100.json). Not below: at B=20 / 24 (160 / 192 pairs) the 2-stage plan's
+            # 2 splits lost 7% / 1% (B=20 T=32K 1071.6 vs 1003.7 us, 4 splits 898.8: the
+            # split plan for 1-2 waves of pairs is open, see gqa_waves_b20_64_h100.json).
+            cfg["num_stages"] = 2
     # S = 1: the split kernel does the prologue's work (``_triton_prologue.fuse_prologue``).
     # H=128 same-process A/Bs on an H100 (sessions 21 and 23, ab_decode_options2_h100.json,
     # interleaved twice): never slower beyond 1%, chained graphs 1.00-1.05x (bf16 B=1 T=4K

@@ -17,7 +17,7 @@ import torch
 from ..._triton_merge import merge_splits
 from ..._triton_prologue import fuse_prologue, fused_prologue_args, rope_norm_flags
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
+from ..._triton_utils import cdiv, device_sms, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
@@ -510,7 +510,10 @@ def gqa_triton(
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
     fused = None
     if path == "decode":
-        decode_cfg = dict(decode_cfg or decode_config(h, dot, present_key.dtype, _interpret()))
+        pairs, sms = b * p.kv_num_heads, device_sms(query)
+        decode_cfg = dict(
+            decode_cfg or decode_config(h, dot, present_key.dtype, _interpret(), pairs, sms)
+        )
         if fuse_prologue(decode_cfg, s, True):  # the split kernel does the prologue's work
             fused = fused_prologue_args(query, key, value, p, dot, present_key.dtype)
     q_rot = q_scale = None
