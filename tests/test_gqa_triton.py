@@ -451,15 +451,22 @@ def test_split_choice_is_host_only():
 
 @pytest.mark.interpret
 def test_decode_stages_follow_the_pair_count():
-    """16-bit caches at H <= 128: 4 stages (one CTA per SM) below 1.5 waves of (sequence, KV
-    head) pairs, 2 stages (3 CTAs per SM) from there on (gqa_waves_b*_h100.json)."""
+    """16-bit caches at H <= 128: 4 stages (one CTA per SM) below a wave of (sequence, KV head)
+    pairs, 2 stages (3 CTAs per SM) from there on, with 4 splits up to 1.5 waves
+    (gqa_waves_b*_h100.json)."""
     bf16, i8 = torch.bfloat16, torch.int8
     cfg = functools.partial(launch.decode_config, interpret=False, num_sms=132)
     assert cfg(128, bf16, bf16, pairs=128)["num_stages"] == 4
-    assert cfg(128, bf16, bf16, pairs=192)["num_stages"] == 4  # B=24: 2 stages lost there
+    mid = cfg(128, bf16, bf16, pairs=192)  # B=24: 2 stages, 4 splits (choose_num_splits)
+    assert mid["num_stages"] == 2
+    res = launch.resident_ctas(mid, 128, 2)
+    assert launch.choose_num_splits(24, 8, 4096, 64, 132, res) == 4
+    assert launch.choose_num_splits(18, 8, 4096, 64, 132, res) == 3
+    assert launch.choose_num_splits(17, 8, 32768, 64, 132, res) == 3
+    assert launch.choose_num_splits(28, 8, 4096, 64, 132, res) == 1
     big = cfg(128, bf16, bf16, pairs=256)
     assert big["num_stages"] == 2 and launch.resident_ctas(big, 128, 2) == 3
-    assert cfg(64, torch.float16, torch.float16, pairs=198)["num_stages"] == 2
+    assert cfg(64, torch.float16, torch.float16, pairs=132)["num_stages"] == 2
     assert cfg(256, bf16, bf16, pairs=256)["num_stages"] == 3  # H=256: unchanged
     assert cfg(128, torch.float16, i8, pairs=256) == cfg(128, torch.float16, i8, pairs=8)
     assert launch.decode_config(128, bf16, bf16, False)["num_stages"] == 4  # pairs unknown
@@ -519,6 +526,10 @@ GPU_CASES = {
         b=2, s=1, lens=(5000, 77), first_prompt=False, n=8, kv=2, h=128, act=torch.float32
     ),
     # 1.5 waves of (sequence, KV head) pairs or more: the 2-stage split kernel (decode_config)
+    "decode-bf16-h128-b20-window": Case(  # 1-1.5 waves of pairs: 4 splits
+        b=20, s=1, lens=tuple(300 + (613 * i) % 5000 for i in range(20)), first_prompt=False,
+        n=32, kv=8, h=128, act=torch.bfloat16, window=1000,
+    ),
     "decode-bf16-h128-b28-ragged": Case(
         b=28, s=1, lens=tuple(1 + (977 * i) % 3000 for i in range(28)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, sink="head",

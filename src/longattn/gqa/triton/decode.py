@@ -353,16 +353,15 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
-        if head <= 128 and num_sms and 2 * pairs >= 3 * num_sms:
-            # 1.5 waves of (sequence, KV head) pairs or more (one split each): 2 stages (64 KB,
+        if head <= 128 and num_sms and pairs >= num_sms:
+            # A wave of (sequence, KV head) pairs or more: 2 stages (64 KB,
             # 3 CTAs per SM) instead of 2+ waves of one CTA per SM. H100, same process
             # (gqa_waves_b32_h100.json, gqa_waves_b20_64_h100.json), 2 vs 4 stages: B=32
             # T=4K / 32K / 128K 179.0-179.4 vs 182.0-183.9 us, 1345.8 vs 1349.9-1355.0,
             # 5337.7 vs 5345.6-5349.1 (cuDNN 175.0 / 1339.3 / 5332.0); B=64 T=4K 348.2 vs
             # 353.7 (342.8); B=28 T=4K / 32K 158.9 vs 167.7, 1189.3 vs 1249.9 (159.2 / 1218.9,
-            # gqa_waves_b28_h100.json). Not below: at B=20 / 24 (160 / 192 pairs) the 2-stage plan's
-            # 2 splits lost 7% / 1% (B=20 T=32K 1071.6 vs 1003.7 us, 4 splits 898.8: the
-            # split plan for 1-2 waves of pairs is open, see gqa_waves_b20_64_h100.json).
+            # gqa_waves_b28_h100.json). Between 1 and 1.5 waves of pairs the split plan
+            # takes 4 splits (choose_num_splits).
             cfg["num_stages"] = 2
     # S = 1: the split kernel does the prologue's work (``_triton_prologue.fuse_prologue``).
     # H=128 same-process A/Bs on an H100 (sessions 21 and 23, ab_decode_options2_h100.json,

@@ -84,6 +84,15 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     (128 / 16 / 4) 103.3 / 628.1 / 2438.8."""
     pairs = max(batch * kv_heads, 1)
     want = _floor_pow2(num_sms * resident // pairs)  # one wave
+    if not issue_bound and resident > 1 and num_sms <= pairs < 3 * num_sms // 2:
+        # 1-1.5 waves of pairs: 3 splits up to ~1.12 waves, then 4 (not powers of two); the
+        # one-wave plan's 2 splits left SMs short. H100, 2-stage build, us (cuDNN; the old
+        # 4-stage 1-split plan): B=17 T=32K 3 splits 761.1, 2: 1036.0, 4: 868.0 (744.1;
+        # 839.6); B=17 / 18 T=4K 3 splits 109.0 / 112.0 (98.3 / 107.4; 115.0 / 125.1);
+        # B=20 T=32K 4 splits 898.8, 2: 1071.6 (933.0; 1003.7); B=20 T=4K 4 splits 127.7
+        # (123.9; 136.1); B=24 T=4K 4 splits 143.1, 2: 150.2 (139.9; 148.3). 3 splits at
+        # B=20 / 24 were not measured. gqa_waves_b17_h100.json, gqa_waves_b20_64_h100.json.
+        want = 3 if 8 * pairs < 9 * num_sms else 4
     if issue_bound:
         four_waves = next_pow2(cdiv(4 * num_sms, pairs))
         want = min(four_waves, max(want, _floor_pow2(span // (32 * block_n))))
