@@ -460,10 +460,12 @@ def test_decode_stages_follow_the_pair_count():
     mid = cfg(128, bf16, bf16, pairs=192)  # B=24: 2 stages, 4 splits (choose_num_splits)
     assert mid["num_stages"] == 2
     res = launch.resident_ctas(mid, 128, 2)
-    assert launch.choose_num_splits(24, 8, 4096, 64, 132, res) == 4
-    assert launch.choose_num_splits(18, 8, 4096, 64, 132, res) == 3
-    assert launch.choose_num_splits(17, 8, 32768, 64, 132, res) == 3
-    assert launch.choose_num_splits(28, 8, 4096, 64, 132, res) == 1
+    plan = functools.partial(launch.choose_num_splits, block_n=64, num_sms=132, resident=res)
+    assert plan(24, 8, 4096, balance=True) == 4
+    assert plan(18, 8, 4096, balance=True) == 3
+    assert plan(17, 8, 32768, balance=True) == 3
+    assert plan(28, 8, 4096, balance=True) == 1
+    assert plan(24, 8, 4096) == 2  # other builds (H=256, fp32): the one-wave power of two
     big = cfg(128, bf16, bf16, pairs=256)
     assert big["num_stages"] == 2 and launch.resident_ctas(big, 128, 2) == 3
     assert cfg(64, torch.float16, torch.float16, pairs=132)["num_stages"] == 2

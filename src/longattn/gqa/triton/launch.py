@@ -66,9 +66,10 @@ def _floor_pow2(n: int) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sms: int,
-                      resident: int = 1, issue_bound: bool = False) -> int:  # fmt: skip
-    """Splits of the key range (a power of two, bounding the merge kernel's variants; each
-    split at least 4 KV blocks long). Host-known sizes only.
+                      resident: int = 1, issue_bound: bool = False,
+                      balance: bool = False) -> int:  # fmt: skip
+    """Splits of the key range (a power of two but for ``balance``; each split at least 4 KV
+    blocks long). Host-known sizes only.
 
     16-bit caches (bandwidth-bound tiles): about one wave of resident CTAs, ``num_sms *
     resident`` programs, rounded down. H200 sweep (``benchmarks/results/
@@ -81,10 +82,13 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     CTAs (``4 * num_sms`` programs, rounded up), but no more splits than one wave or splits
     of 32 tiles need, whichever is more. H200, T=128K, B=1 / 8 / 32: 32 / 16 / 4 splits (95.4 /
     628.1 / 2438.8 us); one wave (32 / 4 / 1 splits) gave 95.4 / 640.5 / 2539.7 and 4 waves
-    (128 / 16 / 4) 103.3 / 628.1 / 2438.8."""
+    (128 / 16 / 4) 103.3 / 628.1 / 2438.8.
+
+    ``balance`` (the 16-bit H <= 128 build, 2 stages from a wave of pairs on): 1-1.5 waves of
+    pairs take 3 or 4 splits (below)."""
     pairs = max(batch * kv_heads, 1)
     want = _floor_pow2(num_sms * resident // pairs)  # one wave
-    if not issue_bound and resident > 1 and num_sms <= pairs < 3 * num_sms // 2:
+    if balance and not issue_bound and resident > 1 and num_sms <= pairs < 3 * num_sms // 2:
         # 1-1.5 waves of pairs: 3 splits up to ~1.12 waves, then 4 (not powers of two); the
         # one-wave plan's 2 splits left SMs short. H100, 2-stage build, us (cuDNN; the old
         # 4-stage 1-split plan): B=17 T=32K 3 splits 761.1, 2: 1036.0, 4: 868.0 (744.1;
@@ -417,16 +421,18 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     q_pow2 = q_scale is not None or (
         fused is not None and fused["K_QUANT"] and dot == torch.float16
     )
-    cfg = dict(cfg or decode_config(h, dot, present_key.dtype, _interpret()))
+    dev = out.device.index if out.device.type == "cuda" else 0
+    sms = _num_sms(dev)
+    cfg = dict(cfg or decode_config(h, dot, present_key.dtype, _interpret(), b * kv, sms))
     span = p.total_sequence_length
     if p.local_window_size > 0:
         span = min(span, p.local_window_size + s - 1)
     span = max(span, 1)
-    dev = out.device.index if out.device.type == "cuda" else 0
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
+    balance = not int8 and h <= 128 and dot.itemsize == 2  # (decode_config's 2-stage rule)
     splits = num_splits or choose_num_splits(
-        b, kv, span, cfg["BLOCK_N"], _num_sms(dev), resident, issue_bound=int8
+        b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance
     )
     chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     splits = cdiv(span, chunk)
