@@ -398,6 +398,25 @@ def test_merge_partials_matches_whole():
     torch.testing.assert_close(online, whole)
 
 
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_online_window_chunk_skipping_keeps_every_visible_key(window, monkeypatch):
+    """attention_online's key-chunk skipping (``qpos_offsets`` + window) and query blocking drop
+    only keys no row of a block sees: a row at the promised lowest offset keeps its window's
+    first key (two-row query blocks, 4-key chunks, fp64 vs the unfused whole)."""
+    monkeypatch.setattr(_attention_torch, "SCORE_BUDGET", 64)  # b*n*chunk = 32: 2-row blocks
+    g = torch.Generator().manual_seed(5)
+    b, s, n, kv, h, t = 2, 6, 4, 2, 16, 40
+    q = torch.randn(b, s, n, h, dtype=torch.float64, generator=g)
+    k = torch.randn(b, kv, t, h, dtype=torch.float64, generator=g)
+    v = torch.randn(b, kv, t, h, dtype=torch.float64, generator=g)
+    qpos = torch.tensor([[20 + i for i in range(s)], [31 + i for i in range(s)]])
+    kw = dict(qpos=qpos, total_len=torch.tensor([26, 37]), scale=0.25, window=window,
+              sink=torch.randn(n, dtype=torch.float64, generator=g))  # fmt: skip
+    whole = attention_unfused(q, k, v, **kw)
+    online = _attention_torch.attention_online(q, k, v, kv_chunk=4, qpos_offsets=(20, 31), **kw)
+    torch.testing.assert_close(online, whole)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad inputs: each error names the argument.
 

@@ -32,6 +32,7 @@ from longattn._triton_utils import int8_to_fp16, tma_ok
 from longattn.gqa._params import GQAParams
 from longattn.gqa.reference import gqa_reference
 from longattn.gqa.triton import launch
+from longattn.gqa.triton._core import add_sink
 from longattn.gqa.triton.launch import gqa_triton
 from longattn.testing import assert_close_to_fp64, nan_tensor
 
@@ -474,6 +475,27 @@ def test_decode_stages_follow_the_pair_count():
     assert launch.decode_config(128, bf16, bf16, False)["num_stages"] == 4  # pairs unknown
 
 
+@pytest.mark.interpret
+def test_split_plan_edges_of_the_one_to_one_and_a_half_wave_branch():
+    """The 16-bit plan's 1-1.5-waves branch (choose_num_splits) at its edges, 3 resident CTAs
+    (the 2-stage build, ``balance``): from exactly one wave of (sequence, KV head) pairs, 3 splits below
+    9/8 of a wave and 4 from there, and the one-wave plan again from 1.5 waves on."""
+    split = functools.partial(
+        launch.choose_num_splits, span=4096, block_n=64, resident=3, balance=True
+    )
+    # one wave of one CTA per SM is below the branch: floor_pow2(3 waves / 1) = 2
+    assert split(batch=131, kv_heads=1, num_sms=132) == 2
+    assert split(batch=33, kv_heads=4, num_sms=132) == 3  # pairs = num_sms
+    assert split(batch=143, kv_heads=1, num_sms=128) == 3  # just below 9/8 of a wave
+    assert split(batch=18, kv_heads=8, num_sms=128) == 4  # pairs = 9/8 * num_sms exactly
+    assert split(batch=197, kv_heads=1, num_sms=132) == 4  # just below 1.5 waves
+    assert split(batch=99, kv_heads=2, num_sms=132) == 2  # pairs = 1.5 * num_sms: one wave
+    # no balance, one resident CTA or an int8 (issue-bound) cache: never the branch
+    assert split(batch=33, kv_heads=4, num_sms=132, balance=False) == 2
+    assert split(batch=33, kv_heads=4, num_sms=132, resident=1) == 1
+    assert split(batch=33, kv_heads=4, num_sms=132, block_n=128, issue_bound=True) == 2
+
+
 # ------------------------------------------------------------------------------------------
 # GPU tests: real shapes.
 
@@ -721,6 +743,40 @@ def test_prefill_gluon_cuda_graph_replays(device):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@triton.jit
+def _add_sink_rows(acc_ptr, m_ptr, l_ptr, sink_ptr, M: tl.constexpr, D: tl.constexpr):
+    r = tl.arange(0, M)
+    a_ptrs = acc_ptr + r[:, None] * D + tl.arange(0, D)[None, :]
+    acc, m, l = add_sink(tl.load(a_ptrs), tl.load(m_ptr + r), tl.load(l_ptr + r),
+                         tl.load(sink_ptr + r))  # fmt: skip
+    tl.store(a_ptrs, acc)
+    tl.store(m_ptr + r, m)
+    tl.store(l_ptr + r, l)
+
+
+@pytest.mark.interpret
+def test_add_sink_joins_the_denominator_once(device):
+    """``_core.add_sink`` (the Gluon prefill's sink step, GPU-only otherwise): the log2-domain
+    sink joins the running max and the denominator, and rescales the accumulator; a row that
+    saw nothing (m = -inf, l = 0) ends with the sink alone."""
+    g = torch.Generator().manual_seed(7)
+    m_rows, d = 16, 16
+    acc = torch.randn(m_rows, d, generator=g)
+    m = torch.randn(m_rows, generator=g) * 4
+    l = torch.rand(m_rows, generator=g) * 3 + 0.5
+    sink = torch.randn(m_rows, generator=g) * 4
+    m[0], l[0], acc[0] = float("-inf"), 0.0, 0.0
+    m_new = torch.maximum(m, sink)
+    alpha = torch.exp2(m.double() - m_new.double())
+    want_l = l.double() * alpha + torch.exp2(sink.double() - m_new.double())
+    want_acc = acc.double() * alpha[:, None]
+    acc_d, m_d, l_d, s_d = (t.to(device) for t in (acc, m, l, sink))
+    _add_sink_rows[(1,)](acc_d, m_d, l_d, s_d, M=m_rows, D=d)
+    torch.testing.assert_close(m_d.cpu(), m_new)
+    torch.testing.assert_close(l_d.cpu().double(), want_l, rtol=1e-5, atol=0)
+    torch.testing.assert_close(acc_d.cpu().double(), want_acc, rtol=1e-5, atol=1e-7)
 
 
 @triton.jit

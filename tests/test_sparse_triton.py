@@ -29,8 +29,10 @@ from longattn._attention_torch import (
 from longattn._rotary import rope_cache
 from longattn._triton_merge import merge_splits, merge_splits_kernel
 from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer
+from longattn.sparse._params import DSAParams
 from longattn.sparse._shared import dsa_candidates, gather_rows
 from longattn.sparse.api import gates as dsa_gates
+from longattn.sparse.reference import dsa_reference
 from longattn.sparse.triton import decode, indexer
 from longattn.testing import assert_close_to_fp64, nan_tensor
 
@@ -399,6 +401,49 @@ def test_dsa_local_window_dedup_and_short_window():
     check_dsa(kw)
     kw["selected_counts"] = torch.zeros_like(kw["selected_counts"])
     check_dsa(kw)
+
+
+@interpret
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_dsa_main_source_window_dedup(num_splits):
+    """The kernel's DEDUP path: a window over the main cache with main-cache selections (the
+    API pairs a window with the auxiliary source only; the tiers take either pair): a selected
+    main entry inside the window counts once, one before it joins. fp32, vs the fp64
+    reference (same-precision baseline: the fp32 reference)."""
+    gen = torch.Generator().manual_seed(17)
+    b, n, kv, h, w = 2, 4, 2, 16, 5
+    totals = (24, 15)
+    cap = max(totals) + 3
+    query = torch.randn(b, 1, n * h, generator=gen)
+    key = torch.randn(b, 1, kv * h, generator=gen)
+    value = torch.randn(b, 1, kv * h, generator=gen)
+    pk = torch.randn(b, kv, cap, h, generator=gen)
+    pv = torch.randn(b, kv, cap, h, generator=gen)
+    for i, t in enumerate(totals):  # rows from the new token's on are never read
+        pk[i, :, t - 1 :] = float("nan")
+        pv[i, :, t - 1 :] = float("nan")
+    # qpos 23: window 19..23; qpos 14: window 10..14 (entries inside it count once)
+    sel = torch.tensor([[2, 11, 19, 21, 23, -1, -1, -1], [0, 9, 10, 12, 14, 13, -1, -1]])
+    cnt = torch.tensor([5, 6], dtype=torch.int32)
+    seqlens = torch.tensor([t - 1 for t in totals], dtype=torch.int32)
+    p = DSAParams(
+        num_heads=n, kv_num_heads=kv, head_size=h, scale=h**-0.5, local_window_size=w,
+        attention_mode="local_plus_selected", selected_kv_source="main", do_rotary=False,
+        rotary_interleaved=False, rotary_offset=0, smooth_softmax=False, qk_norm_epsilon=1e-6,
+        auxiliary_kv_shared=False, is_first_prompt=False, total_sequence_length=max(totals),
+        query_dtype=None, cos_cache=None, sin_cache=None, position_ids=None,
+        head_sink=torch.randn(n, generator=gen), q_norm_weight=None, k_norm_weight=None,
+        k_scale=None, v_scale=None,
+    )  # fmt: skip
+
+    def call(tier, q, k, v, **kw):
+        return tier(q, k, v, pk.clone(), pv.clone(), None, None, sel, cnt, seqlens, p, **kw)
+
+    up = lambda t: t.double()  # noqa: E731
+    truth = call(dsa_reference, up(query), up(key), up(value))
+    base = call(dsa_reference, query, key, value)
+    got = call(decode.dsa_triton, query, key, value, num_splits=num_splits)
+    assert_close_to_fp64(got, truth, base)
 
 
 @interpret
