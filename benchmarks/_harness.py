@@ -88,16 +88,39 @@ def graph_bench_chain(fns: Sequence[Callable[[], object]], **kw) -> dict:
     """``bench`` of ONE CUDA graph that runs ``fns`` back to back (e.g. one decode step per
     layer, each layer with its own tensors, as in a model's decode graph); times are per
     callable (the replay's median / ``len(fns)``), so a short step is not charged a whole
-    graph launch as in ``graph_bench``."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    graph launch as in ``graph_bench``. Every replay reads the same tensors: where they fit
+    the L2 (a chain of small steps), use ``graph_bench_chains``."""
+    return graph_bench_chains([fns], **kw)
+
+
+def graph_bench_chains(chains: Sequence[Sequence[Callable[[], object]]], **kw) -> dict:
+    """``graph_bench_chain`` rotating over several chains of equal length (one graph each,
+    each chain over its own input sets, e.g. from ``copies_for_l2``), so a replay does not
+    find the previous replay's inputs in L2; times per callable."""
+    graphs = []
+    for fns in chains:
         for f in fns:
             f()
-    t = bench(lambda: g.replay(), [()], **kw)
-    return {k: (v / len(fns) if k.endswith("_us") else v) for k, v in t.items()}
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        graphs.append((g,))
+    t = bench(lambda g: g.replay(), graphs, **kw)
+    n = len(chains[0])
+    return {k: (v / n if k.endswith("_us") else v) for k, v in t.items()}
+
+
+def peer_diff(peer_out: torch.Tensor, ours_out: torch.Tensor) -> tuple[float, float]:
+    """(max |peer - ours|, that over max |ours|). The relative one is the check: decode
+    outputs over thousands of random keys are O(0.01), so an absolute bound of a few bf16 ulps
+    of O(1) would pass a peer that computed another function (e.g. another window)."""
+    diff = float((peer_out.float() - ours_out.float()).abs().max())
+    return diff, diff / max(float(ours_out.float().abs().max()), 1e-30)
+
+
+PEER_REL_TOL = 0.03  # a few bf16 ulps (2^-8 relative) of the largest output
 
 
 def kernel_table(fn, n=20):

@@ -34,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import flex_peers  # noqa: E402
-from _harness import gpu_meta, graph_bench, measure_ceilings, write_results  # noqa: E402
+from _harness import (  # noqa: E402
+    gpu_meta,
+    graph_bench,
+    measure_ceilings,
+    peer_diff,
+    write_results,
+)
 from longattn._rotary import rope_cache  # noqa: E402
 from longattn.gqa._params import GQAParams  # noqa: E402
 from longattn.gqa.triton.launch import gqa_triton  # noqa: E402
@@ -130,7 +136,8 @@ def _ragged(b, lo, hi, seed):
 
 
 def _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots):
-    """(graph-replay us, max |flex - gather+SDPA|) of FlexAttention's paged decode, or Nones."""
+    """(graph-replay us, max |flex - gather+SDPA|, that over max |gather+SDPA|) of
+    FlexAttention's paged decode, or Nones."""
     try:
         k_phys = flex_peers.paged_physical_kv(kc)  # [1, KV, slots, H], outside the timing
         v_phys = flex_peers.paged_physical_kv(vc)
@@ -143,13 +150,13 @@ def _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots):
 
         got = fn(sq)
         want = _gather_sdpa_fn(kc, vc, slots, mask)(sq)
-        diff = float((got.float() - want.float()).abs().max())
+        diff, rel = peer_diff(got, want)
         us = _graph_us(fn, (sq,))
-        return us, diff
+        return us, diff, rel
     except Exception as exc:
         print(f"    flex n/a: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
         torch.cuda.empty_cache()
-        return None, None
+        return None, None, None
 
 
 def decode(rows, copy_tbs):
@@ -182,13 +189,15 @@ def decode(rows, copy_tbs):
             mask = mask[:, None, None, :]  # [B, 1, 1, t_max]
             sq = torch.randn(b, N, 1, H, device=DEV, dtype=BF16)
             gather_sdpa = _graph_us(_gather_sdpa_fn(kc, vc, slots, mask), (sq,))
-            flat = kc.view(-1, KV, H)
-            gather_only = _graph_us(lambda f, i: f[i], (flat, slots))
-            flex_us, flex_diff = _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots)
+            flat_k, flat_v = kc.view(-1, KV, H), vc.view(-1, KV, H)
+            # K and V, as gather_sdpa gathers them (was K alone: half the gather)
+            gather_only = _graph_us(lambda fk, fv, i: (fk[i], fv[i]), (flat_k, flat_v, slots))
+            flex_us, flex_diff, flex_rel = _flex_paged(kc, vc, table, lengths, bs, sq, mask, slots)
             row = dict(section="decode", B=b, block_size=bs, T_min=min(lengths), T_max=t_max,
                        KV_MB=nbytes / 1e6, ours_us=ours, gqa_contig_us=gqa_us,
                        gather_sdpa_us=gather_sdpa, gather_only_us=gather_only,
                        flex_us=flex_us, flex_vs_gather_sdpa_maxdiff=flex_diff,
+                       flex_vs_gather_sdpa_maxdiff_rel=flex_rel,
                        floor_us=nbytes / (copy_tbs * 1e12) * 1e6)  # fmt: skip
             if ours and flex_us:
                 row["speedup_vs_flex"] = flex_us / ours
@@ -201,7 +210,7 @@ def decode(rows, copy_tbs):
                 row["speedup_vs_gather_sdpa"] = gather_sdpa / ours
             print(f"  {row}", flush=True)
             rows.append(row)
-            del q, k, v, kc, vc, slots, mask, flat
+            del q, k, v, kc, vc, slots, mask, flat_k, flat_v
             torch.cuda.empty_cache()
 
 
@@ -281,7 +290,7 @@ def main(argv=None):
         "(sum of the ragged T); floor_us = bytes / measured copy bandwidth.",
         "gqa_contig: longattn's contiguous GQA Triton decode on the same ragged lengths; "
         "gather_sdpa: paged K/V gathered to a padded [B, KV, T_max, H] buffer then SDPA with a "
-        "length mask (it reads/writes the padding too); gather_only: the gather alone.",
+        "length mask (it reads/writes the padding too); gather_only: the K and V gather alone.",
         "mixed: one paged call (4 x 2K first prompts + 60 decode rows) vs SDPA causal prefill "
         "on the prompts + gather + SDPA on the decode rows (the prompts' rotary/append excluded "
         "from SDPA's side).",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -22,3 +23,41 @@ def test_ab_variants_are_the_pending_options():
         cfg = bench_gqa._variant_cfg(dt, "unfused")
         assert cfg["FUSE_PROLOGUE"] is False and "BLOCK_N" in cfg
         assert launch.decode_config(128, torch.bfloat16, dt, False)["FUSE_PROLOGUE"] is True
+
+
+def test_wave_rows_best_graph_is_ours_not_the_peer():
+    # B=17 T=32K of gqa_waves_b17_24_h100.json: cuDNN was fastest; best_graph used to be the
+    # peer's own column, so best_graph_vs_cudnn read 1.0.
+    row = {"cudnn_graph_us": 741.3, "default_graph_us": 865.9, "n64s3_sp3_graph_us": 790.0,
+           "default_again_graph_us": 866.4, "n32s4_sp4_graph_us": None}  # fmt: skip
+    assert ab._best_ours_graph(row) == "n64s3_sp3_graph_us"
+    assert ab._best_ours_graph({"cudnn_graph_us": 1.0}) is None
+
+
+def test_chains_and_dsa_sets_exceed_the_l2():
+    import _harness
+
+    l2 = _harness.L2_BYTES
+    # GQA decode chains: B=1 T=4K (4 x 16.8 MB caches) rotates over 3 chains; T=32K over one.
+    chain_4k = bench_gqa.CHAIN * 2 * 1 * bench_gqa.KV * 4096 * 128 * 2
+    assert bench_gqa._chain_count(chain_4k) * chain_4k >= 3 * l2
+    assert bench_gqa._chain_count(8 * chain_4k) == 1
+    # DSA one-step sets at B=1 S=1 (8.65 MB of K+V rows each): >= 3x L2, not 8 sets (69 MB).
+    layer = SimpleNamespace(b=1, k=torch.empty(0, dtype=torch.bfloat16))
+    per_set = bench_sparse._set_bytes(layer, 1, bench_sparse.BUDGET)
+    assert per_set == 1 * 1 * 4 * (2048 + 64) * 256 * 2 * 2
+    assert _harness.copies_for_l2(per_set, max_sets=32) * per_set >= 3 * l2
+    int8 = SimpleNamespace(b=1, k=torch.empty(0, dtype=torch.int8))
+    assert bench_sparse._set_bytes(int8, 1, 8192) == 4 * (8192 + 64) * 256 * 2
+
+
+def test_dsa_bytes_counts_rows_once_per_kv_group():
+    n, h, kv = bench_sparse.N, bench_sparse.H, bench_sparse.KV
+    b, s, m = 2, 3, 40
+    sets = [dict(cnt=torch.tensor([10, 20, 30, 5, 5, 5]), sel=torch.zeros(b * s, m)),
+            dict(cnt=torch.tensor([20, 30, 40, 5, 5, 5]), sel=torch.zeros(b * s, m))]  # fmt: skip
+    for dt, item in ((torch.bfloat16, 2), (torch.int8, 1)):
+        layer = SimpleNamespace(b=b, k=torch.empty(0, dtype=dt))
+        rows = (15 + 25 + 35 + 15) * kv * h * 2 * item  # mean over sets, summed over rows
+        qo = 2 * b * s * n * h * 2  # bf16 Q read + output written
+        assert bench_sparse._dsa_bytes(layer, s, sets) == rows + qo + b * s * m * 4

@@ -151,3 +151,42 @@ def test_flex_sparse_matches_dynamic_sparse_attention():
         sink=sink,
     )
     torch.testing.assert_close(peer.reshape(B, s, N * H), out, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_sdpa_grouped_is_gqa_sdpa_with_the_bottom_right_causal_mask(s):
+    """bench_sparse's dense SDPA peer (query groups folded into rows) computes what SDPA with
+    ``enable_gqa`` and the causal mask of the last S positions computes."""
+    import bench_sparse
+
+    g = torch.Generator().manual_seed(s)
+    t = 50
+    q = torch.randn(B, s, N * H, generator=g)
+    k = torch.randn(B, KV, t, H, generator=g)
+    v = torch.randn(B, KV, t, H, generator=g)
+    mask = torch.ones(s, t, dtype=torch.bool).tril(t - s)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, s, N, H).transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(bench_sparse.sdpa_grouped(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
+def test_peer_check_flags_a_wrong_decode_peer():
+    """Decode outputs over thousands of random keys are O(0.01): a peer attending another
+    window (half of T = 32K, the features section's decode shape) differs by less than the
+    former absolute bound 0.05, but is flagged now."""
+    import bench_gqa
+
+    g = torch.Generator().manual_seed(0)
+    t = 32768
+    q = torch.randn(2, N, 1, H, generator=g)
+    k = torch.randn(2, KV, t, H, generator=g)
+    v = torch.randn(2, KV, t, H, generator=g)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ours = sdpa(q, k, v, enable_gqa=True)
+    wrong = sdpa(q, k[:, :, t // 2 :], v[:, :, t // 2 :], enable_gqa=True)  # half window
+    row = {}
+    assert float((wrong - ours).abs().max()) < 0.05  # what the old check accepted
+    assert not bench_gqa._peer_check("peer", wrong, ours, row)
+    assert row["peer_maxdiff_rel"] > 0.1
+    assert bench_gqa._peer_check("same", ours.bfloat16(), ours, row)  # bf16 rounding passes
