@@ -148,6 +148,14 @@ def store_cache_rows(dst, x, scale_ptr, offs_h, offs_d, stride_sc_h, stride_sc_d
     tl.store(dst, y, mask=mask)
 
 
+def pow2_q_rows(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the Triton tiers give Q power-of-two fp16 rows (``pow2_rows``): an int8 K cache
+    with 16-bit activations (k_scale folded into Q first; a small ``q * k_scale`` never lands in
+    fp16's subnormals, and the int8 K tiles enter fp16 dots). The one rule of GQA, paged
+    attention and DSA (which also needs no ``query_dtype``)."""
+    return cache_dtype == torch.int8 and act_dtype in (torch.float16, torch.bfloat16)
+
+
 @triton.jit
 def pow2_rows(x):
     """Rows of ``x [R, D]`` fp32 times ``2**(14 - e)``, ``e = floor(log2(max |row|))``, so each

@@ -331,6 +331,13 @@ def gqa_decode_split_kernel(
     tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
 
 
+def pair_count_plan(head: int, dot_dtype, cache_dtype) -> bool:
+    """The split-kernel build whose plan follows the (sequence, KV head) pair count: 16-bit dots
+    and caches at H <= 128 (``decode_config``'s 2 stages from a wave of pairs on, and
+    ``launch.choose_num_splits``' ``balance``); the builds it was measured on."""
+    return head <= 128 and dot_dtype.itemsize == 2 and cache_dtype != torch.int8
+
+
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int = 0,
                   num_sms: int = 0) -> dict:  # fmt: skip
     """(BLOCK_N, num_warps, num_stages, FUSE_PROLOGUE) of the split kernel, keyed on head size,
@@ -353,7 +360,7 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
-        if head <= 128 and num_sms and pairs >= num_sms:
+        if pair_count_plan(head, dot_dtype, cache_dtype) and num_sms and pairs >= num_sms:
             # A wave of (sequence, KV head) pairs or more: 2 stages (64 KB,
             # 3 CTAs per SM) instead of 2+ waves of one CTA per SM. H100, same process
             # (gqa_waves_b32_h100.json, gqa_waves_b20_64_h100.json), 2 vs 4 stages: B=32

@@ -15,15 +15,19 @@ from __future__ import annotations
 import torch
 
 from ..._triton_merge import merge_splits
-from ..._triton_prologue import fuse_prologue, fused_prologue_args, rope_norm_flags
+from ..._triton_prologue import (
+    fuse_prologue,
+    fused_prologue_args,
+    pow2_q_rows,
+    rope_norm_flags,
+)
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, device_sms, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
 from ..._triton_utils import interpret as _interpret
-from ..._triton_utils import num_sms as _num_sms
 from ..._triton_utils import scale_strides as _scale_strides
 from .._params import GQAParams
 from ._core import LOG2E
-from .decode import decode_config, gqa_decode_split_kernel
+from .decode import decode_config, gqa_decode_split_kernel, pair_count_plan
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
 
@@ -305,7 +309,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
                                       kv_layout) for c in (present_key, present_value))  # fmt: skip
     qk_scale, softcap_mult = _logit_scalars(p)
     items = cdiv(s, 2 * rows) * b * n
-    grid = min(items, _num_sms(q_rot.device.index or 0)) if cfg.pop("PERSISTENT") else items
+    grid = min(items, device_sms(q_rot)) if cfg.pop("PERSISTENT") else items
     # DYNAMIC: the work-item tickets, zero at launch (one per call: concurrent launches on
     # other streams never share it)
     counter = seqlens_k
@@ -421,8 +425,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     q_pow2 = q_scale is not None or (
         fused is not None and fused["K_QUANT"] and dot == torch.float16
     )
-    dev = out.device.index if out.device.type == "cuda" else 0
-    sms = _num_sms(dev)
+    sms = device_sms(out)
     cfg = dict(cfg or decode_config(h, dot, present_key.dtype, _interpret(), b * kv, sms))
     span = p.total_sequence_length
     if p.local_window_size > 0:
@@ -430,7 +433,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
-    balance = not int8 and h <= 128 and dot.itemsize == 2  # (decode_config's 2-stage rule)
+    balance = pair_count_plan(h, dot, present_key.dtype)
     splits = num_splits or choose_num_splits(
         b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance
     )
@@ -520,7 +523,7 @@ def gqa_triton(
     out = _empty((b, s, n * h), dtype=query.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    q_pow2 = present_key.dtype == torch.int8 and query.dtype != torch.float32
+    q_pow2 = pow2_q_rows(query.dtype, present_key.dtype)
     dot = torch.float16 if q_pow2 else dot_dtype_for(query.dtype, present_key.dtype)
     path = force_path or ("decode" if s * p.group <= DECODE_MAX_ROWS else "prefill")
     fused = None

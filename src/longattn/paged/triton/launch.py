@@ -12,14 +12,15 @@ the batch is small enough for prefill tiles to be split too.
 
 Dot dtype (as the GQA tier): fp16 with an fp16 cache; fp16 with an int8 cache and 16-bit
 activations, Q rows scaled by powers of two that the attention kernel undoes on the fp32 dot
-products (``q_pow2``; ``q_scale``); else the activation dtype. fp32 activations use exact fp32
-dots (``input_precision="ieee"``).
+products (``_triton_prologue.pow2_q_rows``; ``q_scale``); else the activation dtype. fp32
+activations use exact fp32 dots (``input_precision="ieee"``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..._triton_prologue import pow2_q_rows
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
 from ..._triton_utils import cdiv, next_pow2, pdl_kwargs
 from ..._triton_utils import device_sms as _device_sms
@@ -39,16 +40,8 @@ MAX_DECODE_EXTRA = 4096  # cap of that budget (fp32 partials: extra x KV x ROWS 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
 
 
-def q_pow2(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Power-of-two Q rows: an int8 cache with 16-bit activations. The prologue folds k_scale
-    into Q, scales each (token, head) row by the power of two that puts its largest magnitude in
-    ``[2**14, 2**15)`` and rounds once to fp16 (a small ``q * k_scale`` never lands in fp16's
-    subnormals); the attention kernel multiplies the row's fp32 dots by the inverse factor."""
-    return cache_dtype == torch.int8 and act_dtype in (torch.float16, torch.bfloat16)
-
-
 def dot_dtype_for(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    if cache_dtype == torch.float16 or q_pow2(act_dtype, cache_dtype):
+    if cache_dtype == torch.float16 or pow2_q_rows(act_dtype, cache_dtype):
         return torch.float16
     return act_dtype
 
@@ -87,8 +80,8 @@ def _prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int
 def run_prologue(query, key, value, key_cache, value_cache, cu, past, table, p, q_rot,
                  q_scale=None):  # fmt: skip
     """QK-norm + rotary of Q (-> q_rot [tokens, N, H]) and new K; K/V written to their slots.
-    ``q_scale [tokens, N]`` fp32 (``q_pow2``, fp16 q_rot): receives each Q row's inverse power
-    of two (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
+    ``q_scale [tokens, N]`` fp32 (``pow2_q_rows``, fp16 q_rot): receives each Q row's inverse
+    power of two (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
     tokens = query.shape[0]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     block_h, num_warps = _prologue_block_heads(n, kv, h)
@@ -278,7 +271,7 @@ def paged_attention_triton(
     dot = dot_dtype_for(query.dtype, key_cache.dtype)
     q_rot = _empty((tokens, n, h), dtype=dot, device=query.device)
     q_scale = None
-    if q_pow2(query.dtype, key_cache.dtype):
+    if pow2_q_rows(query.dtype, key_cache.dtype):
         q_scale = _empty((tokens, n), dtype=torch.float32, device=query.device)
     run_prologue(query, key, value, key_cache, value_cache, cu_seqlens, past_seqlens,
                  block_table, p, q_rot, q_scale)  # fmt: skip

@@ -46,6 +46,7 @@ from ..._triton_prologue import (
     fused_prologue_args,
     fused_q_k,
     new_row_logits,
+    pow2_q_rows,
     rotary_pos,
     store_new_row,
 )
@@ -372,11 +373,7 @@ def q_pow2(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bo
     as the GQA tier's decode does. Local mode with auxiliary keys: only the folded Q (the
     window's main-cache keys) is scaled; the auxiliary keys take the unfolded Q in
     ``plain_q_dtype``."""
-    return (
-        cache_dtype == torch.int8
-        and act_dtype in (torch.float16, torch.bfloat16)
-        and p.query_dtype is None
-    )
+    return pow2_q_rows(act_dtype, cache_dtype) and p.query_dtype is None
 
 
 def q_dtype_for(p: DSAParams, act_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
@@ -587,8 +584,9 @@ def dsa_triton(
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
     num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES), ``num_splits`` and
-    ``prologue`` ("triton" | "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see ``_triton_prologue.fuse_prologue``):
-    at S = 1 the split kernel does the prologue's work itself (one launch fewer).
+    ``prologue`` ("triton" | "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see
+    ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel does the prologue's work
+    itself (one launch fewer).
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
     """
