@@ -97,6 +97,7 @@ def _best_ours_graph(row: dict) -> str | None:
 
 def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
     from longattn.gqa.triton import launch
+    from longattn.gqa.triton.decode import pair_count_plan
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -118,7 +119,8 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
                 continue
             cfg = dict(base, BLOCK_N=bn, num_stages=st)
             res = launch.resident_ctas(cfg, 128, 2)
-            dflt = launch.choose_num_splits(b, gqa.KV, t, bn, sms, res)
+            balance = pair_count_plan(128, dt, dt)  # the plan run_decode would choose
+            dflt = launch.choose_num_splits(b, gqa.KV, t, bn, sms, res, balance=balance)
             for splits in [dflt] + [n for n in _wave_splits(b, t, res, bn, sms) if n != dflt]:
                 key = f"{name}_sp{splits}"
                 fn = gqa._decode_fn(p, cfg, splits)
