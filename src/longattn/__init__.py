@@ -21,6 +21,7 @@ from .sparse import (
     dynamic_sparse_attention,
     index_block_keys_from_keys,
     sparse_attention_indexer,
+    sparse_attention_layer,
 )
 
 __version__ = "0.1.0"
@@ -41,4 +42,5 @@ __all__ = [
     "rms_norm_rotary",
     "rope_cache",
     "sparse_attention_indexer",
+    "sparse_attention_layer",
 ]

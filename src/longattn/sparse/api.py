@@ -114,32 +114,7 @@ def _dsa_op_impl(
     query_dtype: torch.dtype | None,
     backend: str,
 ) -> torch.Tensor:
-    p = DSAParams(
-        num_heads=num_heads,
-        kv_num_heads=kv_num_heads,
-        head_size=head_size,
-        scale=scale,
-        local_window_size=local_window_size,
-        attention_mode=attention_mode,
-        selected_kv_source=selected_kv_source,
-        do_rotary=do_rotary,
-        rotary_interleaved=rotary_interleaved,
-        rotary_offset=rotary_offset,
-        smooth_softmax=smooth_softmax,
-        qk_norm_epsilon=qk_norm_epsilon,
-        auxiliary_kv_shared=auxiliary_kv_shared,
-        is_first_prompt=is_first_prompt,
-        total_sequence_length=total_sequence_length,
-        query_dtype=query_dtype,
-        cos_cache=cos_cache,
-        sin_cache=sin_cache,
-        position_ids=position_ids,
-        head_sink=head_sink,
-        q_norm_weight=q_norm_weight,
-        k_norm_weight=k_norm_weight,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    p = dsa_params(locals())
     return _run(
         query,
         key,
@@ -154,6 +129,20 @@ def _dsa_op_impl(
         p,
         backend,
     )
+
+
+_PARAM_FIELDS = (
+    "cos_cache", "sin_cache", "position_ids", "head_sink", "q_norm_weight", "k_norm_weight",
+    "k_scale", "v_scale", "num_heads", "kv_num_heads", "head_size", "scale",
+    "local_window_size", "attention_mode", "selected_kv_source", "do_rotary",
+    "rotary_interleaved", "rotary_offset", "smooth_softmax", "qk_norm_epsilon",
+    "auxiliary_kv_shared", "is_first_prompt", "total_sequence_length", "query_dtype",
+)  # fmt: skip
+
+
+def dsa_params(args: dict) -> DSAParams:
+    """DSAParams from an op implementation's arguments (``locals()``): the ``_PARAM_FIELDS``."""
+    return DSAParams(**{name: args[name] for name in _PARAM_FIELDS})
 
 
 _dsa_op = torch.library.custom_op(
@@ -373,6 +362,53 @@ def dynamic_sparse_attention(
     Returns:
         ``(output [B, S, N*H] in query's dtype, present_key, present_value)``.
     """
+    args, present_key, present_value = _prepare(**locals())
+    return call_op(_dsa_op, _dsa_op_impl, *args), present_key, present_value
+
+
+def _prepare(
+    query: torch.Tensor,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    past_key: torch.Tensor | None = None,
+    past_value: torch.Tensor | None = None,
+    auxiliary_key: torch.Tensor | None = None,
+    auxiliary_value: torch.Tensor | None = None,
+    *,
+    selected_indices: torch.Tensor,
+    selected_counts: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_sequence_length: int,
+    num_heads: int,
+    kv_num_heads: int,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: int = -1,
+    attention_mode: str = "selected_only",
+    selected_kv_source: str = "main",
+    do_rotary: bool = False,
+    rotary_interleaved: bool = False,
+    rotary_offset: int = 0,
+    qk_norm_epsilon: float = 1e-6,
+    smooth_softmax: bool = False,
+    auxiliary_kv_shared: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
+    query_dtype: torch.dtype | None = None,
+    validate: bool | str = False,
+    backend: str = "auto",
+    check_selection: bool = True,
+) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """``dynamic_sparse_attention``'s checks and presents: ``(the op's arguments, present_key,
+    present_value)``. ``check_selection=False``: the selection is produced later by the
+    caller (``sparse_attention_layer``): only its shapes are checked, never its values."""
     _cascade.check_backend_name(backend)
     check_tensor("query", query, dtypes=_FLOATS, ndim=3, contiguous_last=True)
     b, s, d = query.shape
@@ -599,7 +635,8 @@ def dynamic_sparse_attention(
             )
         if check_pos:
             check_position_range(*ranges[1], cos_cache.shape[0])
-        if validate is True or _strict_env():  # (max_selected = 0 included: counts checked)
+        strict = validate is True or _strict_env()
+        if strict and check_selection:  # (max_selected = 0 included: counts checked)
             aux = selected_kv_source == "auxiliary"
             validate_selection(
                 selected_indices,
@@ -615,9 +652,7 @@ def dynamic_sparse_attention(
     # A window wider than the context covers every earlier position (qpos < T): the same
     # candidates as W = T, without planning (Triton) or building (torch tiers) W slots per row.
     local_window_size = min(local_window_size, t_max)
-    out = call_op(
-        _dsa_op,
-        _dsa_op_impl,
+    args = (
         query,
         key,
         value,
@@ -654,4 +689,4 @@ def dynamic_sparse_attention(
         query_dtype,
         backend,
     )
-    return out, present_key, present_value
+    return args, present_key, present_value

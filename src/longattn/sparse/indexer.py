@@ -427,6 +427,22 @@ def sparse_attention_indexer(
         ``(qpos+1)//r*r .. qpos``, then -1 padding (so the whole row is ascending); and
         ``selected_counts [B*S]`` int32.
     """
+    return call_op(_indexer_op, _indexer_op_impl, *_prepare(**locals()))
+
+
+def _prepare(
+    index_query: torch.Tensor,
+    index_block_keys: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    compress_ratio: int,
+    token_budget: int,
+    scale: float | None = None,
+    total_sequence_length: int | None = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> tuple:
+    """``sparse_attention_indexer``'s checks: the op's arguments."""
     _cascade.check_backend_name(backend)
     check_tensor("index_query", index_query, dtypes=_FLOATS, ndim=3, contiguous_last=True)
     b, s, dq = index_query.shape
@@ -479,9 +495,7 @@ def sparse_attention_indexer(
         # (a cache sized for the longest context holds many more, and one block more than
         # a power of two doubles the select kernel's register tile)
         index_block_keys = index_block_keys[:, : total_sequence_length // r]
-    return call_op(
-        _indexer_op,
-        _indexer_op_impl,
+    return (
         index_query,
         index_block_keys,
         seqlens_k,

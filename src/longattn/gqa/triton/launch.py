@@ -126,6 +126,16 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     """QK-norm + rotary of Q (-> q_rot [B, S, N, H]) and new K; K/V appended to the caches.
     ``q_scale [B, S, N]`` fp32 (int8 K, fp16 q_rot): receives each Q row's power-of-two factor
     (see ``prologue``); None: Q is rounded to q_rot's dtype unscaled."""
+    grid, args = prologue_launch_args(
+        query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale
+    )
+    gqa_prologue_kernel[grid](**pdl_kwargs(query), **args)
+
+
+def prologue_launch_args(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
+                         q_scale=None) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    """``(grid, kwargs)`` of ``gqa_prologue_kernel`` (all but ``PDL``) for ``run_prologue``'s
+    arguments; the grid is ``(B * S, head blocks)``, ``kwargs`` hold ``num_warps``."""
     b, s, _ = query.shape
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     if key is None:  # packed QKV
@@ -141,8 +151,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     ks_h, ks_d = _scale_strides(ks if quant_k else None)
     vs_h, vs_d = _scale_strides(vs if quant_v else None)
     grid = (b * s, cdiv(n, block_h) + cdiv(kv, block_h))
-    gqa_prologue_kernel[grid](
-        **pdl_kwargs(query),
+    args = dict(
         q_ptr=query,
         k_ptr=key,
         v_ptr=value,
@@ -197,6 +206,7 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
         Q_POW2=q_scale is not None,
         num_warps=num_warps,
     )
+    return grid, args
 
 
 def _common_flags(p: GQAParams, present_value, dot: torch.dtype, has_qscale: bool) -> dict:

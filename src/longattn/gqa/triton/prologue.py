@@ -28,7 +28,9 @@ from ..._triton_utils import next_pow2, wait_prior_grids
 
 
 @triton.jit
-def gqa_prologue_kernel(
+def prologue_program(
+    tok,  # token index b * S + s
+    pid_h,  # head block: < cdiv(N, BLOCK_H) query heads, then key/value heads
     q_ptr,  # [B, S, N*HEAD] (or the Q part of packed QKV)
     k_ptr,  # [B, S, KV*HEAD] (strided view)
     v_ptr,
@@ -86,10 +88,10 @@ def gqa_prologue_kernel(
     K_QUANT: tl.constexpr,
     V_QUANT: tl.constexpr,
     Q_POW2: tl.constexpr,  # scale each Q row by a power of two (fp16 Q for an int8 K cache)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
-    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
-    tok = tl.program_id(0)
+    """One program of the prologue grid (see the module docstring): token ``tok``, head block
+    ``pid_h``. ``gqa_prologue_kernel`` runs its grid; the sparse layer's select kernel hosts
+    the same programs beside its own (``sparse.triton.layer``)."""
     b = (tok // seq_len).to(tl.int64)
     s = (tok % seq_len).to(tl.int64)
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
@@ -108,7 +110,6 @@ def gqa_prologue_kernel(
     offs_d = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
     mask_d = offs_d < HEAD
     nqb = tl.cdiv(NUM_HEADS, BLOCK_H)
-    pid_h = tl.program_id(1)
     if pid_h < nqb:
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
         mask = (offs_h < NUM_HEADS)[:, None] & mask_d[None, :]  # [BLOCK_H, HEAD_PAD]
@@ -152,6 +153,35 @@ def gqa_prologue_kernel(
         store_cache_rows(
             v_dst, v, vs_ptr, offs_h, offs_d, stride_vs_h, stride_vs_d, mask, QUANT=V_QUANT
         )
+
+
+@triton.jit
+def gqa_prologue_kernel(
+    q_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, seqlens_ptr, qout_ptr,
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr, qs_ptr, seq_len, max_pos, cache_len, stride_qb, stride_qs,
+    stride_kb, stride_ks, stride_vb, stride_vs, stride_qob, stride_qos, stride_kcb, stride_kch,
+    stride_kcc, stride_vcb, stride_vch, stride_vcc, stride_ks_h, stride_ks_d, stride_vs_h,
+    stride_vs_d, stride_pb, stride_ps, stride_cos, stride_sin, eps,
+    NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROT_DIM: tl.constexpr,
+    HAS_ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
+    K_QUANT: tl.constexpr, V_QUANT: tl.constexpr, Q_POW2: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
+):  # fmt: skip
+    """Grid ``(B * S, cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H))`` of ``prologue_program`` (its
+    arguments, documented there)."""
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    prologue_program(
+        tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, qn_w_ptr, kn_w_ptr, cos_ptr,
+        sin_ptr, pos_ptr, seqlens_ptr, qout_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, qs_ptr, seq_len,
+        max_pos, cache_len, stride_qb, stride_qs, stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_qob, stride_qos, stride_kcb, stride_kch, stride_kcc, stride_vcb, stride_vch,
+        stride_vcc, stride_ks_h, stride_ks_d, stride_vs_h, stride_vs_d, stride_pb, stride_ps,
+        stride_cos, stride_sin, eps, NUM_HEADS, KV_HEADS, GROUP, HEAD, HEAD_PAD, BLOCK_H,
+        ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, IS_FIRST_PROMPT,
+        K_QUANT, V_QUANT, Q_POW2,
+    )  # fmt: skip
 
 
 def prologue_block_heads(num_heads: int, kv_heads: int, head: int) -> tuple[int, int]:

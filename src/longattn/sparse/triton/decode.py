@@ -547,6 +547,19 @@ def run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_
     q_rot.copy_(qf)
 
 
+def q_buffers(query: torch.Tensor, present_key: torch.Tensor,
+              p: DSAParams) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(q_rot [B, S, N, H]`` in ``q_dtype_for``, ``q_scale [B, S, N]`` fp32 or None``)``: the
+    prepared Q the prologue writes (``q_scale`` with ``q_pow2``)."""
+    b, s = query.shape[:2]
+    n, h = p.num_heads, p.head_size
+    q_rot = _empty((b, s, n, h), dtype=q_dtype_for(p, query.dtype, present_key.dtype),
+                   device=query.device)  # fmt: skip
+    pow2 = q_pow2(p, query.dtype, present_key.dtype)
+    q_scale = _empty((b, s, n), dtype=torch.float32, device=query.device) if pow2 else None
+    return q_rot, q_scale
+
+
 def pow2_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``_triton_prologue.pow2_rows`` in torch, bit for bit: rows (last axis) of fp32 ``x``
     times ``2**(14 - e)``, ``e = floor(log2(max |row|))`` clamped to ``[-112, 127]``; returns
@@ -575,6 +588,7 @@ def dsa_triton(
     cfg: dict | None = None,
     num_splits: int | None = None,
     prologue: str | None = None,
+    prepared: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Triton DynamicSparseAttention tier (contract in ``sparse/_params.py``); any S.
 
@@ -586,7 +600,9 @@ def dsa_triton(
     num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES), ``num_splits`` and
     ``prologue`` ("triton" | "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see
     ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel does the prologue's work
-    itself (one launch fewer).
+    itself (one launch fewer). ``prepared``: ``(q_rot, q_scale)`` of ``q_buffers`` that a
+    Triton prologue already filled (and whose K/V it appended): the sparse layer runs it
+    beside its select kernel (``sparse.triton.layer``); no prologue here then.
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
     """
@@ -607,18 +623,22 @@ def dsa_triton(
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
-    fuse = fuse_prologue(cfg, s, use_triton)
+    fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
     q_scale = None
     if fuse:
         q_rot = q_plain = None
         fused = fused_prologue_args(query, key, value, p, q_dtype, present_key.dtype)
     else:
-        q_rot = _empty((b, s, n, h), dtype=q_dtype, device=dev)
-        qa_dtype = plain_q_dtype(p, query.dtype)  # the auxiliary dots' Q (unfolded, unscaled)
-        q_plain = _empty((b, s, n, h), dtype=qa_dtype, device=dev) if two_q else None
-        q_scale = _empty((b, s, n), dtype=torch.float32, device=dev) if pow2 else None
-        run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
-                     use_triton, q_plain, q_scale)  # fmt: skip
+        if prepared is not None:
+            if two_q:
+                raise ValueError("a prepared Q cannot serve auxiliary keys with an int8 K cache")
+            (q_rot, q_scale), q_plain = prepared, None
+        else:
+            q_rot, q_scale = q_buffers(query, present_key, p)
+            qa_dtype = plain_q_dtype(p, query.dtype)  # the aux dots' Q (unfolded, unscaled)
+            q_plain = _empty((b, s, n, h), dtype=qa_dtype, device=dev) if two_q else None
+            run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot,
+                         use_triton, q_plain, q_scale)  # fmt: skip
         fused = fused_prologue_args(None, None, None, p, q_dtype, present_key.dtype)
     m_sel = selected_indices.shape[1]
     window = p.local_window_size if p.local else 0

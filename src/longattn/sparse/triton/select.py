@@ -206,7 +206,8 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
 
 
 @triton.jit
-def indexer_select_kernel(
+def select_row(
+    row,  # query row b * S + s (int64)
     score_ptr,  # [rows, NB] fp32 block scores (score kernel output), row stride stride_sr
     seqlens_ptr,  # [B] int32, total_len - 1
     scratch_ptr,  # [rows, max(kb, 1)] int32 workspace of the radix method: chosen block ids
@@ -226,11 +227,9 @@ def indexer_select_kernel(
     RADIX_BITS: tl.constexpr,  # bits per radix step (2, 3 or 4)
     IDS_IN_REGS: tl.constexpr,  # radix: emission gathers the ids from registers (else scratch)
     IS_FIRST_PROMPT: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch
-    EMIT_R: tl.constexpr = 0,  # > 0: compress_ratio (a power of two), 2-D emission (EMIT_2D)
+    EMIT_R: tl.constexpr,  # > 0: compress_ratio (a power of two), 2-D emission (EMIT_2D)
 ):
-    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
-    row = tl.program_id(0).to(tl.int64)
+    """Selection + emission of query row ``row`` (see the module docstring)."""
     b = row // seq_len
     s = row % seq_len
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
@@ -297,6 +296,24 @@ def indexer_select_kernel(
         tl.store(out_row + j, val, mask=j < max_selected)
         j0 += BLOCK_O
     tl.store(cnt_ptr + row, n_sel_tok + trail)
+
+
+@triton.jit
+def indexer_select_kernel(
+    score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr, seq_len, num_blocks, stride_sr,
+    compress_ratio, kb, scratch_stride, max_selected,
+    NB_PAD: tl.constexpr, KB_PAD: tl.constexpr, BLOCK_O: tl.constexpr, TOPK: tl.constexpr,
+    RADIX_BITS: tl.constexpr, IDS_IN_REGS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
+    EMIT_R: tl.constexpr = 0,
+):  # fmt: skip
+    """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
+    wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    select_row(
+        tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
+        seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
+        KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R,
+    )  # fmt: skip
 
 
 # Defaults of ``indexer_select``'s ``cfg`` (``benchmarks/tune_indexer.py``): 2 radix bits beat
@@ -376,6 +393,32 @@ def indexer_select(
     Returns:
         ``selected_indices [B*S, token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32.
     """
+    idx, cnt, args = select_launch_args(
+        scores, seqlens_k, seq_len=seq_len, num_blocks=num_blocks, compress_ratio=compress_ratio,
+        token_budget=token_budget, is_first_prompt=is_first_prompt, interpret=interpret,
+        empty=empty, cfg=cfg,
+    )  # fmt: skip
+    if idx.shape[0]:
+        indexer_select_kernel[(idx.shape[0],)](**pdl_kwargs(seqlens_k), **args)
+    return idx, cnt
+
+
+def select_launch_args(
+    scores: torch.Tensor | None,
+    seqlens_k: torch.Tensor,
+    *,
+    seq_len: int,
+    num_blocks: int,
+    compress_ratio: int,
+    token_budget: int,
+    is_first_prompt: bool,
+    interpret: bool = False,
+    empty=torch.empty,
+    cfg: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(selected_indices, selected_counts, kwargs)``: ``indexer_select``'s outputs (not yet
+    written) and the keywords of ``indexer_select_kernel`` (all but ``PDL``; ``num_warps``
+    included) that write them, one program per row (``B * S`` rows; none when 0)."""
     r = compress_ratio
     kb = token_budget // r
     rows = seqlens_k.shape[0] * seq_len
@@ -388,7 +431,7 @@ def indexer_select(
     idx = empty((rows, max_selected), dtype=torch.int32, device=dev)
     cnt = empty((rows,), dtype=torch.int32, device=dev)
     if rows == 0:
-        return idx, cnt
+        return idx, cnt, {}
     if scores is None or kb == 0 or num_blocks == 0:  # k = 0: no score is read
         scores, kb, stride = torch.zeros(1, dtype=torch.float32, device=dev), 0, 0
     else:
@@ -399,8 +442,7 @@ def indexer_select(
     tune = dict(tune)
     emit_r = emit_ratio(tune, r, kb_pad)
     tune.pop("EMIT_2D", None)
-    indexer_select_kernel[(rows,)](
-        **pdl_kwargs(seqlens_k),
+    args = dict(
         score_ptr=scores,
         seqlens_ptr=seqlens_k,
         scratch_ptr=scratch,
@@ -421,4 +463,4 @@ def indexer_select(
         EMIT_R=emit_r,
         **tune,
     )
-    return idx, cnt
+    return idx, cnt, args
