@@ -53,7 +53,11 @@ from _harness import (  # noqa: E402
 )  # noqa: E402
 from longattn import rms_norm_rotary  # noqa: E402
 from longattn._rotary import rope_cache  # noqa: E402
-from longattn.sparse import dynamic_sparse_attention, sparse_attention_indexer  # noqa: E402
+from longattn.sparse import (  # noqa: E402
+    dynamic_sparse_attention,
+    sparse_attention_indexer,
+    sparse_attention_layer,
+)
 from longattn.testing import error_stats  # noqa: E402
 
 H, N, KV, R, BUDGET, NI, DI = 256, 24, 4, 64, 2048, 16, 128
@@ -138,6 +142,23 @@ def _layer_step(layer, x, seqlens, t, budget, validate=True):
 
 def _layer_step_x(layer, seqlens, t, budget, x):
     return _layer_step(layer, x, seqlens, t, budget)
+
+
+def _fused_step(layer, x, seqlens, t, budget, validate="off"):
+    """``sparse_attention_layer``: the indexer + DSA as one op (the prologue in the select
+    launch); ``validate="off"``: no host-side value check (no sync), as ``_layer_step``."""
+    return sparse_attention_layer(
+        x["iq"], layer.block_keys, x["q"], x["k"], x["v"], layer.k, layer.v, seqlens_k=seqlens,
+        total_sequence_length=t, num_heads=N, kv_num_heads=KV, compress_ratio=R,
+        token_budget=budget, cos_cache=layer.cos, sin_cache=layer.sin, do_rotary=True,
+        q_norm_weight=layer.qn, k_norm_weight=layer.kn, k_scale=layer.k_scale,
+        v_scale=layer.v_scale, validate=validate,
+    )[0]  # fmt: skip
+
+
+def _fused_step_b(layer, seqlens, t, x):
+    """``_fused_step`` at the default budget, in ``_chain_us``'s argument order."""
+    return _fused_step(layer, x, seqlens, t, BUDGET)
 
 
 def _dense_x(layer, seqlens, t, x):
@@ -313,6 +334,8 @@ def layer_section(rows, layers, copy_tbs, chains, grid):
                 nbytes = _dsa_bytes(layer, s, sets)
                 tbs = nbytes / (t_dsa * 1e-6) / 1e12
                 c_layer = _chain_us(_layer_step_b, chain, s, t, BUDGET)
+                c_fused = _chain_us(_fused_step_b, chain, s, t, BUDGET)
+                t_fused = _graph_time(functools.partial(_fused_step_b, layer, seqlens, t), sets)
                 c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
                 variants = {}
@@ -338,6 +361,8 @@ def layer_section(rows, layers, copy_tbs, chains, grid):
                          chain_layer_us=round(c_layer, 2), chain_dsa_us=round(c_dsa, 2),
                          chain_dense_us=round(c_dense, 2),
                          chain_dense_over_sparse=round(c_dense / c_layer, 2),
+                         layer_op_us=round(t_fused, 2), chain_layer_op_us=round(c_fused, 2),
+                         chain_dense_over_layer_op=round(c_dense / c_fused, 2),
                          **variants)  # fmt: skip
                 rows.append(r)
                 print(r, flush=True)
@@ -499,6 +524,9 @@ def main(argv=None):
         "dsa_TBps: bytes DSA must read (valid candidate K+V rows once per KV group, Q, output,"
         " indices) / time; dsa_vs_copy_BW against the measured copy bandwidth.",
         "dense_gqa_us: dense decode of the same S new tokens over all T cached keys.",
+        "layer_op_us / chain_layer_op_us: sparse_attention_layer (the indexer + DSA as one "
+        "op: the DSA prologue runs in the select launch, 4 launches instead of 5), one-step "
+        "graph / chained; chain_dense_over_layer_op = chain_dense_us / chain_layer_op_us.",
         f"chain_*_us: per-layer time in ONE CUDA graph of {CHAIN} back-to-back steps over "
         f"{CHAIN} distinct layers (own cache, block keys, inputs), as a model's decode graph "
         "runs them, rotating over several such graphs (fresh selections each) so that their "
