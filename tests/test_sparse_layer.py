@@ -129,9 +129,10 @@ def _same(got, want, exact=True):
         for a, b in ((out, w_out), (pk, w_pk), (pv, w_pv)):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     else:  # within one rounding of the stored dtypes
-        torch.testing.assert_close(out.float(), w_out.float(), rtol=2e-2, atol=2e-3)
-        for a, b in ((pk, w_pk), (pv, w_pv)):
-            torch.testing.assert_close(a, b, rtol=1e-2, atol=1, equal_nan=True)
+        torch.testing.assert_close(out.float(), w_out.float(), rtol=1e-2, atol=1e-3)
+        for a, b in ((pk, w_pk), (pv, w_pv)):  # one unit in the last place
+            tol = dict(rtol=0, atol=1) if a.dtype == torch.int8 else dict(rtol=2**-7, atol=1e-6)
+            torch.testing.assert_close(a, b, equal_nan=True, **tol)
 
 
 CASES = {
