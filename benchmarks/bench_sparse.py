@@ -291,9 +291,14 @@ def _variant(dsa=None, select=None):
 #   stages): 2 programs per SM; a cap of 168 keeps 3 without spills, 128 keeps the unfused
 #   kernel's 4 with 56 bytes of spills outside the loop (benchmarks/sass.py dsa-decode --set
 #   FUSE_PROLOGUE=True --stages 2 --maxnreg N);
+# - EARLY_LOADS: the split kernel's selected tiles gather K and V together, right after the
+#   index load (masked by the index range only, not by the count or qpos, which arrive in
+#   parallel; rows that are no candidate are zeroed after the load): a split of one tile (B=1
+#   S=1) waits for 2 dependent round trips instead of 4 (count -> indices -> K -> V);
 # - EMIT_2D: the select kernel emits the chosen blocks' positions as one [KB_PAD, r] tile (no
 #   division and gather per position; its 1-D loop 131 -> 37 sm_90 instructions).
 _VARIANTS = {
+    "early": (dict(EARLY_LOADS=True), None),
     "fused": (dict(FUSE_PROLOGUE=True), None),
     "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
     "fused128": (dict(FUSE_PROLOGUE=True, maxnreg=128), None),
@@ -342,11 +347,14 @@ def layer_section(rows, layers, copy_tbs, chains, grid):
                 for name, (dsa, sel) in _VARIANTS.items():
                     if grid["variants"] is not None and name not in grid["variants"]:
                         continue
-                    if s != 1 and dsa:  # the fused prologue is for S = 1 only
+                    if s != 1 and dsa and dsa.get("FUSE_PROLOGUE"):  # S = 1 only
                         continue
                     with _variant(dsa, sel):
                         variants[f"chain_layer_{name}_us"] = round(
                             _chain_us(_layer_step_b, chain, s, t, BUDGET), 2
+                        )
+                        variants[f"chain_layer_op_{name}_us"] = round(
+                            _chain_us(_fused_step_b, chain, s, t, BUDGET), 2
                         )
                         if dsa:
                             variants[f"chain_dsa_{name}_us"] = round(
