@@ -291,14 +291,9 @@ def _variant(dsa=None, select=None):
 #   stages): 2 programs per SM; a cap of 168 keeps 3 without spills, 128 keeps the unfused
 #   kernel's 4 with 56 bytes of spills outside the loop (benchmarks/sass.py dsa-decode --set
 #   FUSE_PROLOGUE=True --stages 2 --maxnreg N);
-# - EARLY_LOADS: the split kernel's selected tiles gather K and V together, right after the
-#   index load (masked by the index range only, not by the count or qpos, which arrive in
-#   parallel; rows that are no candidate are zeroed after the load): a split of one tile (B=1
-#   S=1) waits for 2 dependent round trips instead of 4 (count -> indices -> K -> V);
 # - EMIT_2D: the select kernel emits the chosen blocks' positions as one [KB_PAD, r] tile (no
 #   division and gather per position; its 1-D loop 131 -> 37 sm_90 instructions).
 _VARIANTS = {
-    "early": (dict(EARLY_LOADS=True), None),
     "fused": (dict(FUSE_PROLOGUE=True), None),
     "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
     "fused128": (dict(FUSE_PROLOGUE=True, maxnreg=128), None),

@@ -604,37 +604,6 @@ def test_dsa_fused_prologue_matches_the_prologue_kernel(
     assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
 
 
-@interpret
-@pytest.mark.parametrize("dtype,cache_dtype,per_channel,mode,extra", _FUSED)
-@pytest.mark.parametrize("splits,s", [(1, 1), (5, 1), (3, 2)])
-def test_dsa_early_loads_equal_the_default(dtype, cache_dtype, per_channel, mode, extra, splits,
-                                           s):  # fmt: skip
-    """``EARLY_LOADS`` (the selected tiles' K and V gathered together, masked by the index
-    range only, before the count and qpos are known; rows that are no candidate zeroed after
-    the load): bitwise the default output and caches, with invalid entries (future, -1,
-    out of range, past the count) and NaN rows past each sequence among the fetched rows."""
-    kw = build(splits * 10 + s + len(extra), dtype=dtype, cache_dtype=cache_dtype,
-               per_channel=per_channel, mode=mode, **dict(dict(h=32, m=24, s=s), **extra))  # fmt: skip
-    kw = _rows_past_the_count(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), splits)
-    got, (gk, gv) = _run_with_splits(_clone(kw), splits, EARLY_LOADS=True)
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, base)
-
-
-def _rows_past_the_count(kw):
-    """Entries past each row's count hold row 0 (a valid position the op must ignore there)
-    instead of the -1 padding."""
-    kw = _clone(kw)
-    sel, cnt = kw["selected_indices"].clone(), kw["selected_counts"]
-    past = torch.arange(sel.shape[1], device=sel.device)[None, :] >= cnt[:, None]
-    sel[past] = 0
-    kw["selected_indices"] = sel
-    return kw
-
-
 def _assert_within_roundings(got, base, ulps):
     """|got - base| <= ulps roundings of the output dtype at the output's largest magnitude."""
     assert torch.isfinite(got).all() and torch.isfinite(base).all()
@@ -1071,33 +1040,6 @@ def test_gpu_dsa_fused_prologue_matches_the_prologue_kernel(cache, mode, extra):
     assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
     _assert_within_roundings(got, base, 2)
     assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
-
-
-@gpu
-@pytest.mark.parametrize(
-    "cache,mode,s",
-    [
-        (torch.bfloat16, "selected_only", 1),
-        (torch.bfloat16, "selected_only", 8),
-        (torch.float16, "selected_only", 1),
-        (torch.int8, "selected_only", 1),
-        (torch.bfloat16, "local_plus_selected", 1),
-        (torch.int8, "local_plus_selected", 8),
-    ],
-)
-def test_gpu_dsa_early_loads_equal_the_default(cache, mode, s):
-    """``EARLY_LOADS`` at the Qwen-like geometry in bf16: bitwise the default output and
-    caches (invalid entries and NaN rows past the sequences included)."""
-    kw = build(29, device="cuda", b=2, s=s, h=256, n=24, kv=4, past=(5000, 70000), m=2111,
-               dtype=torch.bfloat16, cache_dtype=cache, mode=mode, window=128,
-               aux_len=4096, per_channel=cache == torch.int8)  # fmt: skip
-    kw = _rows_past_the_count(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), None)
-    got, (gk, gv) = _run_with_splits(_clone(kw), None, EARLY_LOADS=True)
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, base)
 
 
 @gpu

@@ -76,40 +76,36 @@ _empty = torch.empty  # every buffer of this tier is allocated here (tests poiso
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
-    j_start, j_end, j_valid, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
+    j_start, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
     IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
-    EARLY: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
 
     Window segment: candidate c is main row ``lo + c``. Selected segment: candidate j is
-    ``idx_ptr[j * stride_idx]``, a candidate only below ``j_valid`` (the row's count; ``j_end``
-    may lie beyond it); ``limit`` is C (main) or A (auxiliary). ``SUBST`` (fused prologue,
-    main-cache segments): valid candidates at row ``new_pos`` (the new token's row, which
-    another program of the grid may be writing) are not loaded but counted in ``n_new`` (int32
-    scalar), for ``_fold_new_row`` after the loop. ``EARLY`` (selected segments): each tile's
-    K and V rows are gathered together, masked by the index range only (``0 <= idx < limit``:
-    no wait for the count or qpos), and V rows that are no candidate are zeroed after the load.
+    ``idx_ptr[j * stride_idx]``; ``limit`` is C (main) or A (auxiliary). ``SUBST`` (fused
+    prologue, main-cache segments): valid candidates at row ``new_pos`` (the new token's row,
+    which another program of the grid may be writing) are not loaded but counted in
+    ``n_new`` (int32 scalar), for ``_fold_new_row`` after the loop.
     """
     if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
         while j0 < j_end:
             acc, m_i, l_i, n_new = _attend_tile(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
-                stride_vc, j0, j_end, j_valid, lo, qpos, row_real, limit, offs_d, mask_d,
-                qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE,
-                PV_PREC, BLOCK_N, SUBST, EARLY,
+                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
+                BLOCK_N, SUBST,
             )  # fmt: skip
             j0 += BLOCK_N
     else:
         for j0 in range(j_start, j_end, BLOCK_N):
             acc, m_i, l_i, n_new = _attend_tile(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
-                stride_vc, j0, j_end, j_valid, lo, qpos, row_real, limit, offs_d, mask_d,
-                qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE,
-                PV_PREC, BLOCK_N, SUBST, EARLY,
+                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
+                BLOCK_N, SUBST,
             )  # fmt: skip
     return acc, m_i, l_i, n_new
 
@@ -117,39 +113,31 @@ def _attend_tiles(
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
-    j_end, j_valid, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
-    IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, EARLY: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
     offs_j = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate slots
     in_range = offs_j < j_end
     if IS_WINDOW:
         pos = lo + offs_j.to(tl.int64)  # [BLOCK_N] main rows
         ok = in_range & (pos >= 0) & (pos < limit) & row_real
-        fetch = ok
     else:
         pos = tl.load(idx_ptr + offs_j.to(tl.int64) * stride_idx, mask=in_range, other=-1)
         pos = pos.to(tl.int64)  # [BLOCK_N]
-        fetch = in_range & (pos >= 0) & (pos < limit)  # rows inside the cache
-        ok = fetch & (offs_j < j_valid) & row_real
+        ok = in_range & (pos >= 0) & (pos < limit) & row_real
         if SEL_MAIN:
             ok = ok & (pos <= qpos)
             if DEDUP:
                 ok = ok & (pos < lo)  # inside the window: already a candidate
-        if not EARLY:
-            fetch = ok
     if SUBST:
         is_new = ok & (pos == new_pos)  # [BLOCK_N]
         n_new += tl.sum(is_new.to(tl.int32), 0)
         ok = ok & (pos != new_pos)
-        fetch = fetch & (pos != new_pos)
     # in-head offsets fit int32 (the host checks C * stride < 2**31); the base is int64
-    pos = tl.where(fetch, pos, 0).to(tl.int32)
-    ld_mask = fetch[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
+    pos = tl.where(ok, pos, 0).to(tl.int32)
+    ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
     k = tl.load(k_base + (pos[:, None] * stride_kc + offs_d[None, :]), mask=ld_mask, other=0)
-    if EARLY:  # both gathers in flight together
-        v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
     k = cache_to_dot(k, QK_DTYPE, True)  # [BLOCK_N, HEAD_PAD]
     qk = tl.dot(q.to(QK_DTYPE), tl.trans(k), input_precision=QK_PREC)
     # qk_scale: a scalar, or [G_PAD, 1] (power-of-two Q rows: each row's inverse factor)
@@ -159,11 +147,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)  # m_i = -inf -> 0
     p = tl.exp2(s - m_safe[:, None])  # [G_PAD, BLOCK_N], 0 where masked
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not EARLY:
-        v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
+    v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
     v = cache_to_dot(v, PV_DTYPE, False)  # [BLOCK_N, HEAD_PAD]
-    if EARLY:  # fetched rows that are no candidate (p = 0 there, but 0 * NaN is NaN)
-        v = tl.where(ok[:, None], v, 0.0).to(v.dtype)
     pv = tl.dot(p.to(PV_DTYPE), v, input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i, n_new
@@ -251,7 +236,6 @@ def dsa_split_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     FUSE_PROLOGUE: tl.constexpr = False,  # S = 1: the prologue's work in this kernel
-    EARLY_LOADS: tl.constexpr = False,  # selected tiles: K and V gathers before the count
     Q_DTYPE: tl.constexpr = tl.bfloat16,  # FUSE_PROLOGUE: the dtype Q is rounded to
     ROT_DIM: tl.constexpr = 0,
     HAS_ROTARY: tl.constexpr = False,
@@ -324,20 +308,13 @@ def dsa_split_kernel(
         w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
-            w1, w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True,
-            False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
-            FUSE_PROLOGUE, False, INTERPRET,
+            w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
+            FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
-    j_hi = tl.minimum(j0 + chunk, max_sel)  # this split's slots
-    j1 = tl.minimum(j_hi, cnt)  # ... that hold candidates
-    if EARLY_LOADS:  # the tile loop does not wait for the count (slots past it: no candidate)
-        j0 = tl.where(split < win_splits, j_hi, j0)  # window splits: empty selected range
-        j_end = j_hi
-    else:
-        j0 = tl.where(split < win_splits, j1, j0)
-        j_end = j1
+    j1 = tl.minimum(tl.minimum(j0 + chunk, max_sel), cnt)
+    j0 = tl.where(split < win_splits, j1, j0)  # window splits: empty selected range
     idx_row = sel_ptr + row * stride_sel_r
     if SEL_AUX:
         from_main = split < win_splits
@@ -349,16 +326,16 @@ def dsa_split_kernel(
             qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
-            stride_vac, j0, j_end, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale,
-            new_pos, False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
-            BLOCK_N, False, EARLY_LOADS, INTERPRET,
+            stride_vac, j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
+            False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
+            BLOCK_N, False, INTERPRET,
         )  # fmt: skip
     else:
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
-            stride_vcc, j0, j_end, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main,
-            new_pos, False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE,
-            MAIN_PV_PREC, BLOCK_N, FUSE_PROLOGUE, EARLY_LOADS, INTERPRET,
+            stride_vcc, j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
+            False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
+            BLOCK_N, FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
 
     if FUSE_PROLOGUE:
