@@ -368,36 +368,12 @@ def select_num_warps(nb_pad: int) -> int:
 
 
 def indexer_select(
-    scores: torch.Tensor | None,
-    seqlens_k: torch.Tensor,
-    *,
-    seq_len: int,
-    num_blocks: int,
-    compress_ratio: int,
-    token_budget: int,
-    is_first_prompt: bool,
-    interpret: bool = False,
-    empty=torch.empty,
-    cfg: dict | None = None,
+    scores: torch.Tensor | None, seqlens_k: torch.Tensor, **kw
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k blocks + emission from block scores, in one kernel.
-
-    Args:
-        scores: ``[B*S, num_blocks]`` fp32 block scores (``>= 0`` or NaN where visible; other
-            entries are never read); None when no block can be chosen (``token_budget <
-            compress_ratio`` or ``num_blocks == 0``).
-        seqlens_k: ``[B]`` int32, total length minus one.
-        empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
-        cfg: tunables (``select_config``); None: the defaults.
-
-    Returns:
-        ``selected_indices [B*S, token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32.
-    """
-    idx, cnt, args = select_launch_args(
-        scores, seqlens_k, seq_len=seq_len, num_blocks=num_blocks, compress_ratio=compress_ratio,
-        token_budget=token_budget, is_first_prompt=is_first_prompt, interpret=interpret,
-        empty=empty, cfg=cfg,
-    )  # fmt: skip
+    """Top-k blocks + emission from block scores, in one kernel: ``selected_indices [B*S,
+    token_budget + r - 1]`` int32, ``selected_counts [B*S]`` int32. Arguments: those of
+    ``select_launch_args``."""
+    idx, cnt, args = select_launch_args(scores, seqlens_k, **kw)
     if idx.shape[0]:
         indexer_select_kernel[(idx.shape[0],)](**pdl_kwargs(seqlens_k), **args)
     return idx, cnt
@@ -418,7 +394,16 @@ def select_launch_args(
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(selected_indices, selected_counts, kwargs)``: ``indexer_select``'s outputs (not yet
     written) and the keywords of ``indexer_select_kernel`` (all but ``PDL``; ``num_warps``
-    included) that write them, one program per row (``B * S`` rows; none when 0)."""
+    included) that write them, one program per row (``B * S`` rows; none when 0).
+
+    Args:
+        scores: ``[B*S, num_blocks]`` fp32 block scores (``>= 0`` or NaN where visible; other
+            entries are never read); None when no block can be chosen (``token_budget <
+            compress_ratio`` or ``num_blocks == 0``).
+        seqlens_k: ``[B]`` int32, total length minus one.
+        empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
+        cfg: tunables (``select_config``); None: the defaults.
+    """
     r = compress_ratio
     kb = token_budget // r
     rows = seqlens_k.shape[0] * seq_len
