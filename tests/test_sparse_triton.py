@@ -676,9 +676,6 @@ def test_stages_for_chunk():
     assert decode.stages_for_chunk(2, 3, tiles * 32, 32) == 3
     assert decode.stages_for_chunk(2, 3, tiles * 32 - 32, 32) == 2
     assert decode.stages_for_chunk(2, None, 100 * 32, 32) == 2
-    assert decode.stages_for_chunk(2, 3, 32, 32, 1) == 1  # one tile
-    assert decode.stages_for_chunk(2, 3, 64, 32, 1) == 2
-    assert decode.stages_for_chunk(2, 3, 32, 32) == 2
     assert decode.decode_config(256, torch.float16, torch.int8, False)["LONG_SPLIT_STAGES"] == 3
     assert "LONG_SPLIT_STAGES" not in decode.decode_config(256, torch.bfloat16, torch.bfloat16,
                                                            False)  # fmt: skip

@@ -441,10 +441,6 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     # results/tune_dsa_h200.json, H=256 bf16, T=128K): 2 stages are as fast or faster than 3-4
     # at every (B, S) and splits count (a split holds only a few tiles).
     cfg = dict(BLOCK_N=64 if head <= 128 else 32, num_warps=4, num_stages=2 if head > 128 else 3)
-    if head > 128 and cache_dtype != torch.int8:
-        # splits of one tile (B=1 S=1: 66 one-tile splits per KV head) load it without the
-        # pipeline (H100, sparse_attention_layer chains, stages_ab_h100.json)
-        cfg["ONE_TILE_STAGES"] = 1
     if cache_dtype == torch.int8:
         # The int8 build holds 209 (H=256) / 238 (H=128) registers: 2 programs per SM, so the
         # plan's 4 per SM ran ~1.3-2 waves. Capped at 168 (3 per SM; H=256 spills 40 bytes,
@@ -465,14 +461,10 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
 LONG_SPLIT_TILES = 8  # a split of at least this many BLOCK_N tiles takes LONG_SPLIT_STAGES
 
 
-def stages_for_chunk(num_stages: int, long_split_stages, chunk: int, block_n: int,
-                     one_tile_stages=None) -> int:  # fmt: skip
+def stages_for_chunk(num_stages: int, long_split_stages, chunk: int, block_n: int) -> int:
     """The split kernel's pipeline depth for splits of ``chunk`` candidates: the config's
     ``LONG_SPLIT_STAGES`` (a positive int; None: no change) for splits of at least
-    LONG_SPLIT_TILES tiles, ``ONE_TILE_STAGES`` (likewise) for splits of one tile, else
-    ``num_stages``."""
-    if one_tile_stages is not None and chunk <= block_n:
-        return one_tile_stages
+    LONG_SPLIT_TILES tiles, else ``num_stages``."""
     if long_split_stages is None or chunk < LONG_SPLIT_TILES * block_n:
         return num_stages
     return long_split_stages
@@ -612,8 +604,7 @@ def dsa_triton(
     Triton prologue already filled (and whose K/V it appended): the sparse layer runs it
     beside its select kernel (``sparse.triton.layer``); no prologue here then.
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
-    ``LONG_SPLIT_STAGES`` / ``ONE_TILE_STAGES``: the pipeline depth of long / one-tile
-    splits (see ``stages_for_chunk``).
+    ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -632,7 +623,6 @@ def dsa_triton(
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
-    one_tile_stages = _pop_positive_int(cfg, "ONE_TILE_STAGES")
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
     q_scale = None
     if fuse:
@@ -656,8 +646,7 @@ def dsa_triton(
     chunk, win_splits, sel_splits = plan_splits(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
-    cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"],
-                                         one_tile_stages)  # fmt: skip
+    cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
     lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
