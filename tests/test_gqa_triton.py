@@ -452,48 +452,50 @@ def test_split_choice_is_host_only():
 
 @pytest.mark.interpret
 def test_decode_stages_follow_the_pair_count():
-    """16-bit caches at H <= 128: 4 stages (one CTA per SM) below a wave of (sequence, KV head)
-    pairs, 2 stages (3 CTAs per SM) from there on, with 4 splits up to 1.5 waves
-    (gqa_waves_b*_h100.json)."""
+    """16-bit caches at H <= 128: 2 stages (3 CTAs per SM) and 4 splits in 9/8-3/2 waves of
+    (sequence, KV head) pairs (``four_split_band``), 4 stages (one CTA per SM) elsewhere
+    (gqa_waves*_h200.json, gqa_waves_b*_h100.json)."""
     bf16, i8 = torch.bfloat16, torch.int8
     cfg = functools.partial(launch.decode_config, interpret=False, num_sms=132)
-    assert cfg(128, bf16, bf16, pairs=128)["num_stages"] == 4
+    stages = {
+        b: cfg(128, bf16, bf16, pairs=8 * b)["num_stages"] for b in (16, 17, 18, 19, 24, 25, 28, 32)
+    }
+    assert stages == {16: 4, 17: 4, 18: 4, 19: 2, 24: 2, 25: 4, 28: 4, 32: 4}
     mid = cfg(128, bf16, bf16, pairs=192)  # B=24: 2 stages, 4 splits (choose_num_splits)
-    assert mid["num_stages"] == 2
     res = launch.resident_ctas(mid, 128, 2)
+    assert res == 3
     plan = functools.partial(launch.choose_num_splits, block_n=64, num_sms=132, resident=res)
     assert plan(24, 8, 4096, balance=True) == 4
-    assert plan(18, 8, 4096, balance=True) == 3
-    assert plan(17, 8, 32768, balance=True) == 3
-    assert plan(28, 8, 4096, balance=True) == 1
+    assert plan(20, 8, 32768, balance=True) == 4
     assert plan(24, 8, 4096) == 2  # other builds (H=256, fp32): the one-wave power of two
-    big = cfg(128, bf16, bf16, pairs=256)
-    assert big["num_stages"] == 2 and launch.resident_ctas(big, 128, 2) == 3
-    assert cfg(64, torch.float16, torch.float16, pairs=132)["num_stages"] == 2
-    assert cfg(256, bf16, bf16, pairs=256)["num_stages"] == 3  # H=256: unchanged
-    assert cfg(128, torch.float16, i8, pairs=256) == cfg(128, torch.float16, i8, pairs=8)
+    outside = functools.partial(launch.choose_num_splits, block_n=64, num_sms=132, resident=1)
+    assert outside(17, 8, 32768, balance=True) == 1  # 4 stages: one CTA per SM
+    assert outside(28, 8, 4096, balance=True) == 1
+    assert cfg(64, torch.float16, torch.float16, pairs=160)["num_stages"] == 2
+    assert cfg(256, bf16, bf16, pairs=160)["num_stages"] == 3  # H=256: unchanged
+    assert cfg(128, torch.float16, i8, pairs=160) == cfg(128, torch.float16, i8, pairs=8)
     assert launch.decode_config(128, bf16, bf16, False)["num_stages"] == 4  # pairs unknown
 
 
 @pytest.mark.interpret
-def test_split_plan_edges_of_the_one_to_one_and_a_half_wave_branch():
-    """The 16-bit plan's 1-1.5-waves branch (choose_num_splits) at its edges, 3 resident CTAs
-    (the 2-stage build, ``balance``): from exactly one wave of (sequence, KV head) pairs, 3 splits below
-    9/8 of a wave and 4 from there, and the one-wave plan again from 1.5 waves on."""
+def test_split_plan_edges_of_the_four_split_band():
+    """The 16-bit plan's band (choose_num_splits with 3 resident CTAs, the 2-stage build,
+    ``balance``) at its edges: 4 splits from 9/8 of a wave of (sequence, KV head) pairs up to
+    1.5 waves, the one-wave power of two outside."""
     split = functools.partial(
         launch.choose_num_splits, span=4096, block_n=64, resident=3, balance=True
     )
-    # one wave of one CTA per SM is below the branch: floor_pow2(3 waves / 1) = 2
-    assert split(batch=131, kv_heads=1, num_sms=132) == 2
-    assert split(batch=33, kv_heads=4, num_sms=132) == 3  # pairs = num_sms
-    assert split(batch=143, kv_heads=1, num_sms=128) == 3  # just below 9/8 of a wave
+    assert split(batch=33, kv_heads=4, num_sms=132) == 2  # one wave of pairs: below the band
+    assert split(batch=143, kv_heads=1, num_sms=128) == 2  # just below 9/8 of a wave
     assert split(batch=18, kv_heads=8, num_sms=128) == 4  # pairs = 9/8 * num_sms exactly
     assert split(batch=197, kv_heads=1, num_sms=132) == 4  # just below 1.5 waves
     assert split(batch=99, kv_heads=2, num_sms=132) == 2  # pairs = 1.5 * num_sms: one wave
-    # no balance, one resident CTA or an int8 (issue-bound) cache: never the branch
-    assert split(batch=33, kv_heads=4, num_sms=132, balance=False) == 2
-    assert split(batch=33, kv_heads=4, num_sms=132, resident=1) == 1
-    assert split(batch=33, kv_heads=4, num_sms=132, block_n=128, issue_bound=True) == 2
+    # no balance, one resident CTA or an int8 (issue-bound) cache: never the band
+    assert split(batch=40, kv_heads=4, num_sms=132, balance=False) == 2
+    assert split(batch=40, kv_heads=4, num_sms=132, resident=1) == 1
+    assert split(batch=40, kv_heads=4, num_sms=132, block_n=128, issue_bound=True) == 2
+    assert launch.four_split_band(160, 132) and not launch.four_split_band(148, 132)
+    assert not launch.four_split_band(160, 0)  # SM count unknown
 
 
 # ------------------------------------------------------------------------------------------
@@ -549,12 +551,12 @@ GPU_CASES = {
     "decode-fp32-h128": Case(
         b=2, s=1, lens=(5000, 77), first_prompt=False, n=8, kv=2, h=128, act=torch.float32
     ),
-    # 1.5 waves of (sequence, KV head) pairs or more: the 2-stage split kernel (decode_config)
-    "decode-bf16-h128-b20-window": Case(  # 1-1.5 waves of pairs: 4 splits
+    # 9/8-3/2 waves of (sequence, KV head) pairs: the 2-stage split kernel, 4 splits
+    "decode-bf16-h128-b20-window": Case(
         b=20, s=1, lens=tuple(300 + (613 * i) % 5000 for i in range(20)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, window=1000,
     ),
-    "decode-bf16-h128-b28-ragged": Case(
+    "decode-bf16-h128-b28-ragged": Case(  # beyond the band: 4 stages, one split
         b=28, s=1, lens=tuple(1 + (977 * i) % 3000 for i in range(28)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, sink="head",
     ),

@@ -333,9 +333,24 @@ def gqa_decode_split_kernel(
 
 def pair_count_plan(head: int, dot_dtype, cache_dtype) -> bool:
     """The split-kernel build whose plan follows the (sequence, KV head) pair count: 16-bit dots
-    and caches at H <= 128 (``decode_config``'s 2 stages from a wave of pairs on, and
+    and caches at H <= 128 (``decode_config``'s 2 stages in ``four_split_band``, and
     ``launch.choose_num_splits``' ``balance``); the builds it was measured on."""
     return head <= 128 and dot_dtype.itemsize == 2 and cache_dtype != torch.int8
+
+
+def four_split_band(pairs: int, num_sms: int) -> bool:
+    """9/8 to 3/2 waves of (sequence, KV head) pairs (B = 19..24 at KV = 8 on 132 SMs): the
+    16-bit H <= 128 build runs 2 stages (3 CTAs per SM) with 4 splits there
+    (``decode_config``, ``launch.choose_num_splits``), the one band where that plan beat the
+    4-stage, one-split plan on both GPUs, same process (us, new vs old): H200 B=20 / 24
+    T=32K 710.2 / 756.4 vs 738.8 / 818.6 (cuDNN 641.2 / 762.9; ``gqa_waves*_h200.json``),
+    H100 B=20 T=32K / 4K 901.6 / 127.7 vs 1004.1 / 136.1, B=24 T=4K 143.2 vs 148.9
+    (``gqa_waves_b20_64_h100.json``). Outside it the 2-stage plan lost on the H200 (B=17 3
+    splits T=4K / 32K 90.6 / 616.3 vs 85.7 / 599.9; B=28 1 split 127.2 / 932.7 vs 124.6 /
+    907.7; B=32 136.1 / 997.8 vs 132.2 / 964.8; B=64 T=4K 262.4 vs 254.8) while it won on
+    the H100 (B=17 T=32K 761.1 vs 839.6; B=28 158.9 / 1189.3 vs 167.7 / 1249.9; B=32 and 64
+    by 0.2-1.7%): the target GPU decides."""
+    return num_sms > 0 and 9 * num_sms <= 8 * pairs < 12 * num_sms
 
 
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int = 0,
@@ -360,15 +375,9 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
-        if pair_count_plan(head, dot_dtype, cache_dtype) and num_sms and pairs >= num_sms:
-            # A wave of (sequence, KV head) pairs or more: 2 stages (64 KB,
-            # 3 CTAs per SM) instead of 2+ waves of one CTA per SM. H100, same process
-            # (gqa_waves_b32_h100.json, gqa_waves_b20_64_h100.json), 2 vs 4 stages: B=32
-            # T=4K / 32K / 128K 179.0-179.4 vs 182.0-183.9 us, 1345.8 vs 1349.9-1355.0,
-            # 5337.7 vs 5345.6-5349.1 (cuDNN 175.0 / 1339.3 / 5332.0); B=64 T=4K 348.2 vs
-            # 353.7 (342.8); B=28 T=4K / 32K 158.9 vs 167.7, 1189.3 vs 1249.9 (159.2 / 1218.9,
-            # gqa_waves_b28_h100.json). Between 1 and 1.5 waves of pairs the split plan
-            # takes 4 splits (choose_num_splits).
+        if pair_count_plan(head, dot_dtype, cache_dtype) and four_split_band(pairs, num_sms):
+            # 9/8-3/2 waves of (sequence, KV head) pairs: 2 stages (64 KB, 3 CTAs per SM)
+            # and 4 splits instead of 1.1-1.5 waves of one CTA per SM (four_split_band)
             cfg["num_stages"] = 2
     # S = 1: the split kernel does the prologue's work (``_triton_prologue.fuse_prologue``).
     # H=128 same-process A/Bs on an H100 (sessions 21 and 23, ab_decode_options2_h100.json,

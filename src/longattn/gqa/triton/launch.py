@@ -27,7 +27,7 @@ from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
 from .._params import GQAParams
 from ._core import LOG2E
-from .decode import decode_config, gqa_decode_split_kernel, pair_count_plan
+from .decode import decode_config, four_split_band, gqa_decode_split_kernel, pair_count_plan
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
 
@@ -88,19 +88,16 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     628.1 / 2438.8 us); one wave (32 / 4 / 1 splits) gave 95.4 / 640.5 / 2539.7 and 4 waves
     (128 / 16 / 4) 103.3 / 628.1 / 2438.8.
 
-    ``balance`` (the 16-bit H <= 128 build, 2 stages from a wave of pairs on): 1-1.5 waves of
-    pairs take 3 or 4 splits (below)."""
+    ``balance`` (the 16-bit H <= 128 build, 2 stages in ``decode.four_split_band``): 4 splits
+    there (not a power of two; the one-wave plan's 2 left SMs short)."""
     pairs = max(batch * kv_heads, 1)
     want = _floor_pow2(num_sms * resident // pairs)  # one wave
-    if balance and not issue_bound and resident > 1 and num_sms <= pairs < 3 * num_sms // 2:
-        # 1-1.5 waves of pairs: 3 splits up to ~1.12 waves, then 4 (not powers of two); the
-        # one-wave plan's 2 splits left SMs short. H100, 2-stage build, us (cuDNN; the old
-        # 4-stage 1-split plan): B=17 T=32K 3 splits 761.1, 2: 1036.0, 4: 868.0 (744.1;
-        # 839.6); B=17 / 18 T=4K 3 splits 109.0 / 112.0 (98.3 / 107.4; 115.0 / 125.1);
-        # B=20 T=32K 4 splits 898.8, 2: 1071.6 (933.0; 1003.7); B=20 T=4K 4 splits 127.7
-        # (123.9; 136.1); B=24 T=4K 4 splits 143.1, 2: 150.2 (139.9; 148.3). 3 splits at
-        # B=20 / 24 were not measured. gqa_waves_b17_h100.json, gqa_waves_b20_64_h100.json.
-        want = 3 if 8 * pairs < 9 * num_sms else 4
+    if balance and not issue_bound and resident > 1 and four_split_band(pairs, num_sms):
+        # H100, 2-stage build, us (cuDNN; the 4-stage 1-split plan): B=20 T=32K 4 splits
+        # 898.8, 2: 1071.6 (933.0; 1003.7); B=20 T=4K 4 splits 127.7 (123.9; 136.1); B=24
+        # T=4K 4 splits 143.1, 2: 150.2 (139.9; 148.3) (gqa_waves_b20_64_h100.json); H200 in
+        # four_split_band.
+        want = 4
     if issue_bound:
         four_waves = next_pow2(cdiv(4 * num_sms, pairs))
         want = min(four_waves, max(want, _floor_pow2(span // (32 * block_n))))
