@@ -38,7 +38,7 @@ def _poison_buffers(monkeypatch):
 def make_layer_case(seed, *, b=2, s=1, n=8, kv=2, h=64, r=16, budget=64, ni=4, di=32,
                     total=300, lens=None, dtype=torch.float16, cache_dtype=None,
                     per_channel=False, packed=False, positions=False, sink="head",
-                    device=DEV):  # fmt: skip
+                    no_cache=False, device=DEV):  # fmt: skip
     """Keyword arguments of ``sparse_attention_layer`` (the caches at ``cap = total + 20``
     rows, NaN / -128 past each sequence's history)."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,6 +69,8 @@ def make_layer_case(seed, *, b=2, s=1, n=8, kv=2, h=64, r=16, budget=64, ni=4, d
         pk[i, :, past:] = nan_tensor((1,), cache_dtype)
         pv[i, :, past:] = nan_tensor((1,), cache_dtype)
     kw.update(past_key=pk.to(device), past_value=pv.to(device))
+    if no_cache:  # (first prompt) presents allocated by the op in the cache dtype
+        kw.update(past_key=None, past_value=None, kv_cache_dtype=cache_dtype)
     cos, sin = rope_cache(cap + 8, h // 2, device=device)
     kw.update(cos_cache=cos, sin_cache=sin, do_rotary=True)
     kw.update(q_norm_weight=rnd(h, dt=torch.float32) * 0.1 + 1,
@@ -90,6 +92,8 @@ def make_layer_case(seed, *, b=2, s=1, n=8, kv=2, h=64, r=16, budget=64, ni=4, d
 
 
 def _clone_caches(kw):
+    if kw["past_key"] is None:  # a first prompt without a past buffer: the op allocates it
+        return dict(kw)
     return dict(kw, past_key=kw["past_key"].clone(), past_value=kw["past_value"].clone())
 
 
@@ -141,6 +145,9 @@ CASES = {
     "decode_b3_positions": dict(b=3, positions=True, sink="smooth"),
     "chunked_prefill_s3": dict(s=3, sink=None),
     "first_prompt_padding": dict(s=40, total=40, lens=[40, 23], budget=16, r=8),
+    "first_prompt_no_cache_int8": dict(
+        s=24, total=24, lens=[24, 9], budget=8, r=4, no_cache=True, cache_dtype=torch.int8
+    ),
     "int8_per_tensor": dict(cache_dtype=torch.int8),
     "int8_per_channel_s2": dict(cache_dtype=torch.int8, per_channel=True, s=2),
     "budget_below_ratio": dict(budget=8),  # no block chosen: trailing tokens only
