@@ -152,6 +152,9 @@ CASES = {
     "int8_per_channel_s2": dict(cache_dtype=torch.int8, per_channel=True, s=2),
     "budget_below_ratio": dict(budget=8),  # no block chosen: trailing tokens only
     "h128_group1": dict(n=2, kv=2, h=128, sink=None),
+    # > select.TOPK_MAX_BLOCKS blocks: the radix select (scratch row + CTA barrier) in the
+    # co-launch, not the in-register tl.topk
+    "radix_select": dict(b=1, n=2, kv=1, h=16, r=4, budget=64, ni=2, di=16, total=4500),
 }
 
 
@@ -284,6 +287,7 @@ def test_opcheck_and_compile():
         dict(cache_dtype=torch.float16),
         dict(cache_dtype=torch.int8, per_channel=True),
         dict(b=4, s=1, total=40000),
+        dict(b=1, s=1, total=131072),  # 2048 blocks: the radix select
     ],
 )
 def test_gpu_layer_matches_two_ops(case):
