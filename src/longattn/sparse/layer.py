@@ -80,6 +80,7 @@ def _layer_op_impl(
 
 _LAYER_PARAMS = tuple(inspect.signature(_layer_op_impl).parameters)
 _DSA_PARAMS = tuple(inspect.signature(_dsa._dsa_op_impl).parameters)
+_INDEXER_PARAMS = tuple(inspect.signature(_indexer._indexer_op_impl).parameters)
 
 _layer_op = torch.library.custom_op(
     "longattn::sparse_attention_layer", mutates_args=("present_key", "present_value")
@@ -204,8 +205,8 @@ def sparse_attention_layer(
         kv_cache_dtype=kv_cache_dtype, query_dtype=query_dtype,
         validate="off" if validate == "off" else False, backend=backend, check_selection=False,
     )  # fmt: skip
-    named = dict(zip(_DSA_PARAMS, dargs, strict=True))
-    named.update(index_query=iargs[0], index_block_keys=iargs[1], num_index_heads=iargs[3],
-                 compress_ratio=iargs[4], token_budget=iargs[5], index_scale=iargs[6])  # fmt: skip
+    named = dict(zip(_INDEXER_PARAMS, iargs, strict=True))  # the indexer's op arguments
+    named["index_scale"] = named.pop("scale")
+    named.update(zip(_DSA_PARAMS, dargs, strict=True))  # DSA's (shared: seqlens_k, backend)
     out, sel, cnt = call_op(_layer_op, _layer_op_impl, *(named[k] for k in _LAYER_PARAMS))
     return out, present_key, present_value, sel, cnt
