@@ -94,6 +94,25 @@ def is_real(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def resolve_scale(scale, default: float, default_name: str):
+    """An attention op's logit ``scale``: None or 0 give ``default`` (named ``default_name`` in
+    the error); else a finite host int/float >= 0 (a bool is refused: ``scale=True`` would run
+    with 1.0, ``False`` with the default)."""
+    if scale is None or (is_real(scale) and scale == 0):
+        return default
+    if not is_real(scale) or not is_finite(scale) or scale < 0:
+        raise ValueError(
+            f"scale must be a finite float > 0 (or None/0 for {default_name}), got {scale!r}"
+        )
+    return scale
+
+
+def check_epsilon(name: str, eps) -> None:
+    """A norm epsilon: a finite host int/float >= 0 (not a bool, NaN or inf)."""
+    if not is_real(eps) or not eps >= 0.0 or not is_finite(eps):
+        raise ValueError(f"{name} must be a finite float >= 0, got {eps!r}")
+
+
 def check_out_dtype(out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
     out = default if out_dtype is None else out_dtype
     if out not in FLOAT_DTYPES:

@@ -12,6 +12,7 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_bool,
+    check_epsilon,
     check_position_range,
     check_positive_int,
     check_tensor,
@@ -19,6 +20,7 @@ from .._common import (
     host_ranges,
     is_finite,
     is_real,
+    resolve_scale,
 )
 from ._params import GQAParams
 from .chunked import gqa_chunked
@@ -331,20 +333,13 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
 
 
 def _validate_attributes(scale, softcap, local_window_size, qk_norm_epsilon, h):
-    if scale is None or (is_real(scale) and scale == 0.0):
-        scale = 1.0 / math.sqrt(h)
-    if not is_real(scale) or not is_finite(scale) or scale < 0:
-        raise ValueError(
-            f"scale must be a finite float > 0 (or None/0.0 for 1/sqrt(H)), got {scale!r}"
-        )
+    scale = resolve_scale(scale, 1.0 / math.sqrt(h), "1/sqrt(H)")
     if not is_real(softcap) or not softcap >= 0.0 or not is_finite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     w = local_window_size
     if not isinstance(w, int) or isinstance(w, bool) or (w <= 0 and w != -1):
         raise ValueError(f"local_window_size must be -1 (off) or a positive int, got {w!r}")
-    eps = qk_norm_epsilon
-    if not is_real(eps) or not eps >= 0.0 or not is_finite(eps):
-        raise ValueError(f"qk_norm_epsilon must be a finite float >= 0, got {eps!r}")
+    check_epsilon("qk_norm_epsilon", qk_norm_epsilon)
     return float(scale)
 
 

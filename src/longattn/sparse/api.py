@@ -12,14 +12,14 @@ from .._attention_torch import contiguous_positions
 from .._common import (
     FLOAT_DTYPES,
     call_op,
+    check_epsilon,
     check_nonneg_int,
     check_position_range,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
     host_ranges,
-    is_finite,
-    is_real,
+    resolve_scale,
 )
 from ._params import DSAParams
 from .chunked import dsa_chunked
@@ -593,15 +593,8 @@ def _prepare(
     q_norm_weight = _check_opt("q_norm_weight", q_norm_weight, shape=(h,), **vec)
     k_norm_weight = _check_opt("k_norm_weight", k_norm_weight, shape=(h,), **vec)
     head_sink = _check_opt("head_sink", head_sink, shape=(n,), **vec)
-    if scale is None or (is_real(scale) and scale == 0):
-        scale = 1.0 / math.sqrt(h)
-    if not is_real(scale) or not is_finite(scale) or scale < 0:
-        raise ValueError(
-            f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
-        )
-    eps = qk_norm_epsilon
-    if not is_real(eps) or not eps >= 0.0 or not is_finite(eps):
-        raise ValueError(f"qk_norm_epsilon must be a finite float >= 0, got {eps!r}")
+    scale = resolve_scale(scale, 1.0 / math.sqrt(h), "1/sqrt(H)")
+    check_epsilon("qk_norm_epsilon", qk_norm_epsilon)
     if query_dtype is not None and query_dtype not in _FLOATS:
         raise TypeError(f"query_dtype must be a float dtype or None, got {query_dtype}")
 

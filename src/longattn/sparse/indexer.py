@@ -20,8 +20,7 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     host_ranges,
-    is_finite,
-    is_real,
+    resolve_scale,
 )
 from .._rotary import apply_rotary, rms_norm
 from .chunked import indexer_chunked
@@ -460,10 +459,7 @@ def _prepare(
     )
     r = check_positive_int("compress_ratio", compress_ratio)
     budget = check_positive_int("token_budget", token_budget)
-    if scale is None or (is_real(scale) and scale == 0):
-        scale = di**-0.5
-    if not is_real(scale) or not is_finite(scale) or scale < 0:
-        raise ValueError(f"scale must be a finite float > 0 (or None), got {scale!r}")
+    scale = resolve_scale(scale, di**-0.5, "index_head_dim ** -0.5")
     nb = index_block_keys.shape[1]
     if total_sequence_length is not None:
         check_positive_int("total_sequence_length", total_sequence_length)
