@@ -63,10 +63,13 @@ def gates(query: torch.Tensor, key=None, value=None, present_key=None, aux_k=Non
 
 
 def _run(
-    query, key, value, present_key, present_value, aux_k, aux_v, sel, cnt, seqlens_k, p, backend
-):
-    g = gates(query, key, value, present_key, aux_k, aux_v, p)
-    tier = _cascade.select_backend(OP_NAME, backend, g)
+    query, key, value, present_key, present_value, aux_k, aux_v, sel, cnt, seqlens_k, p, backend,
+    tier=None,
+):  # fmt: skip
+    """The tier ``backend`` selects (``tier``: one the caller already selected) on the inputs."""
+    if tier is None:
+        g = gates(query, key, value, present_key, aux_k, aux_v, p)
+        tier = _cascade.select_backend(OP_NAME, backend, g)
     if tier == "triton":
         from .triton.decode import dsa_triton
 

@@ -311,8 +311,11 @@ def _run(
     scale,
     is_first_prompt,
     backend,
+    tier=None,
 ):
-    tier = _cascade.select_backend(OP_NAME, backend, gates(index_query, index_block_keys))
+    """The tier ``backend`` selects (``tier``: one the caller already selected) on the inputs."""
+    if tier is None:
+        tier = _cascade.select_backend(OP_NAME, backend, gates(index_query, index_block_keys))
     kw = dict(
         num_index_heads=num_index_heads,
         compress_ratio=compress_ratio,

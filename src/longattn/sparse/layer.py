@@ -72,9 +72,10 @@ def _layer_op_impl(
                 seqlens_k, p, num_index_heads=num_index_heads, compress_ratio=compress_ratio,
                 token_budget=token_budget, index_scale=index_scale,
             )  # fmt: skip
-    sel, cnt = _indexer._run(index_query, index_block_keys, seqlens_k, *idx_kw, itier)
+    sel, cnt = _indexer._run(index_query, index_block_keys, seqlens_k, *idx_kw, backend,
+                             tier=itier)  # fmt: skip
     out = _dsa._run(query, key, value, present_key, present_value, None, None, sel, cnt,
-                    seqlens_k, p, dtier)  # fmt: skip
+                    seqlens_k, p, backend, tier=dtier)  # fmt: skip
     return out, sel, cnt
 
 
