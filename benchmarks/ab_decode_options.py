@@ -10,7 +10,9 @@
 - ``gqa_waves``: GQA bf16 decode (same geometry) at the shapes whose work is about one or two
   waves of split programs (B=1 T=4K/32K, B=8 T=4K, B=32 T=4K, B=8 T=32K): the default config
   and split count vs split-kernel configs whose shared memory holds 2-3 CTAs per SM and vs
-  split counts that fill a whole number of waves, with cuDNN SDPA (graph) in the same process.
+  split counts that fill a whole number of waves, and vs the ``BALANCED`` grid (``BAL_CFGS``:
+  one wave of resident CTAs taking equal runs of key tiles across pairs), with cuDNN SDPA
+  (graph) in the same process.
 - ``dsa_int8``: DSA with an int8 main cache at budget 8192 (the sparse benchmark's geometry,
   H = 256, (N, KV) = (24, 4), T = 128K), CUDA-graph replays: the default config vs each of
   ``bench_sparse._CACHE_VARIANTS`` (the previous uncapped build, other stage counts and
@@ -71,6 +73,8 @@ def gqa_fused_rows(quick: bool) -> list[dict]:
 # (name, BLOCK_N, num_stages) of the gqa_waves section (4 warps; bf16 H=128 K+V stages:
 # 64 x 4 = 128 KB: 1 CTA per SM, 64 x 3 = 96 KB: 2, 32 x 4 / 64 x 2 = 64 KB: 3)
 WAVE_CFGS = (("n64s4", 64, 4), ("n64s3", 64, 3), ("n32s4", 32, 4), ("n64s2", 64, 2))
+# the BALANCED split grid (one wave of resident CTAs, equal tile runs across pairs)
+BAL_CFGS = (("bal_n64s4", 64, 4), ("bal_n64s3", 64, 3), ("bal_n64s2", 64, 2))
 WAVE_SHAPES = ((1, 4096), (1, 32768), (8, 4096), (32, 4096), (8, 32768))
 
 
@@ -126,6 +130,12 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
                 fn = gqa._decode_fn(p, cfg, splits)
                 row[f"{key}_graph_us"] = gqa._graph_time_or_none(fn, sets)
                 row[f"{key}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
+        for name, bn, st in BAL_CFGS:
+            if cfg_names is not None and name not in cfg_names:
+                continue
+            fn = gqa._decode_fn(p, dict(base, BLOCK_N=bn, num_stages=st, BALANCED=True))
+            row[f"{name}_graph_us"] = gqa._graph_time_or_none(fn, sets)
+            row[f"{name}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
         row["default_again_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
         best = _best_ours_graph(row)
         row["best_graph"] = best

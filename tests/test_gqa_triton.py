@@ -376,6 +376,45 @@ def test_decode_fused_prologue_interpret(name, device, monkeypatch):
     _assert_within_two_roundings(got, base)
 
 
+BALANCED_CASES = {
+    **{k: dataclasses.replace(c, num_splits=None) for k, c in DECODE_CASES.items()},
+    **{f"fused-{k}": dataclasses.replace(c, num_splits=None) for k, c in FUSED_CASES.items()},
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("programs", [None, 1, 5, 7])
+@pytest.mark.parametrize("name", list(BALANCED_CASES))
+def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
+    """``BALANCED``: a 1-D grid whose programs take equal runs of the pairs' key tiles laid end
+    to end, crossing pair boundaries (a pair's parts go to consecutive programs; its first
+    part marks the unused o_part slots empty): fp64 tolerance, the reference's caches, and
+    within two output roundings of the split grid. ``programs``: the grid forced to that size
+    (None: the tier's choice; 1: one program takes every pair; 5 / 7: parts of uneven length
+    that start mid-pair)."""
+    c = BALANCED_CASES[name]
+    fused = name.startswith("fused-")
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused)
+    base = _run_and_check(c, device)
+    grids = []
+    orig = launch.balanced_grid
+    monkeypatch.setattr(
+        launch, "balanced_grid",
+        lambda *a: grids.append(g := orig(*a) if programs is None else (programs,)) or g,
+    )  # fmt: skip
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused, BALANCED=True)
+    got = _run_and_check(c, device)
+    assert len(grids) == 1, "the balanced grid was not used"
+    _assert_within_two_roundings(got, base)
+
+
+def test_balanced_grid_size():
+    """One program per resident CTA slot, but >= MIN_PART_TILES key tiles per program."""
+    assert launch.balanced_grid(pairs=136, tiles=512, programs=132) == (132,)
+    assert launch.balanced_grid(pairs=8, tiles=64, programs=132) == (128,)
+    assert launch.balanced_grid(pairs=1, tiles=3, programs=132) == (1,)
+
+
 @pytest.mark.interpret
 def test_decode_fused_prologue_is_s1_only_and_checked(device, monkeypatch):
     """S > 1 keeps the prologue kernel; a non-bool FUSE_PROLOGUE is a ValueError."""
@@ -697,12 +736,28 @@ def test_decode_fused_prologue_gpu(name, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if k.startswith("decode")])
+def test_decode_balanced_grid_gpu(name, device, monkeypatch):
+    """The ``BALANCED`` grid on real shapes (ragged lengths, int8 / fp16 caches, window, S=4,
+    B=20 / 28): fp64 tolerance, the reference's caches, within two output roundings of the
+    split grid."""
+    c = GPU_CASES[name]
+    base = _run_and_check(c, device)
+    grids = _count_calls(monkeypatch, "balanced_grid")
+    _decode_cfg_with(monkeypatch, BALANCED=True)
+    got = _run_and_check(c, device)
+    assert grids == [1]
+    _assert_within_two_roundings(got, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True, "balanced"])
 def test_decode_cuda_graph_capturable(device, monkeypatch, fused):
     """Decode launches no host sync: it captures into a CUDA graph and replays correctly. The
     graph's kernels use programmatic dependent launch (sm_90+) and must match an eager run
     without it bit for bit, replay after replay (with and without the fused prologue)."""
-    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused)
+    extra = dict(BALANCED=True) if fused == "balanced" else dict(FUSE_PROLOGUE=fused)
+    _decode_cfg_with(monkeypatch, **extra)
     c = Case(b=2, s=1, lens=(3000, 17), first_prompt=False, n=8, kv=2, h=128,
              act=torch.bfloat16)  # fmt: skip
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -4,7 +4,8 @@
 channel tile. A split kernel wrote, for every row ``r``, head ``n`` and split ``p``:
 
 - ``o_part [R, N, splits, HEAD]`` fp32, the split's output normalized over the split;
-- ``lse_part [R, N, splits]`` fp32, the split's log-sum-exp in the log2 domain (-inf if empty).
+- ``lse_part [R, N, splits]`` fp32, the split's log-sum-exp in the log2 domain (-inf if empty;
+  then its ``o_part`` is not read and may be unwritten).
 
 The merge loads every split of its channel tile at once (``[SPLITS_PAD, BLOCK_D]``, no serial
 loop over the splits), weights them by ``exp2(lse - max)``, adds the sink (``head_sink`` or the
@@ -48,7 +49,9 @@ def merge_splits_kernel(
     mask_d = offs_d < HEAD
     lse = tl.load(lse_part_ptr + rn * num_splits + offs_p, mask=mask_p, other=float("-inf"))
     o_ptrs = o_part_ptr + (rn * num_splits + offs_p)[:, None] * HEAD + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=mask_p[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
+    # an empty slot (lse -inf) is not read: a split kernel may leave its o_part unwritten
+    full = mask_p & (lse > float("-inf"))  # [SPLITS_PAD]
+    o = tl.load(o_ptrs, mask=full[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, BLOCK_D]
     m = tl.max(lse, 0)
     if HAS_SINK:
         if SINK_FROM_PTR:

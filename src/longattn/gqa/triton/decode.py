@@ -132,16 +132,22 @@ def _new_row_scores(qk_new, qk_scale, rs, softcap_mult, bias_ptr, b64, n_idx, ne
 
 
 @triton.jit
-def _split_start(offset, window, split, chunk, HAS_WINDOW: tl.constexpr):
-    """First key of split ``split``: the range starts at 0, or at the window's first key."""
+def _split_start(offset, window, lo, HAS_WINDOW: tl.constexpr):
+    """First key of the part that starts ``lo`` keys into the sequence's key range (which
+    starts at 0, or at the window's first key)."""
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(offset - window + 1, 0)
-    return kv_lo + split * chunk
+    return kv_lo + lo
 
 
 @triton.jit
-def gqa_decode_split_kernel(
+def _split_part(
+    b,  # sequence
+    kvh,  # KV head
+    split,  # part index of the (sequence, KV head) pair: its o_part / lse_part slot
+    pieces,  # parts of the pair (FILL_PIECES)
+    lo,  # first key of the part, from the pair's range start
     q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
     k_ptr,  # [B, KV, C, HEAD] cache
     v_ptr,
@@ -164,7 +170,7 @@ def gqa_decode_split_kernel(
     seq_len,
     cap,  # C: cache rows (FUSE_PROLOGUE: the append's bound, as the prologue's)
     window,
-    chunk,  # keys per split (multiple of BLOCK_N)
+    chunk,  # keys of the part (multiple of BLOCK_N)
     num_splits,
     stride_qb,
     stride_qs,
@@ -219,12 +225,11 @@ def gqa_decode_split_kernel(
     HAS_QNORM: tl.constexpr = False,
     HAS_KNORM: tl.constexpr = False,
     K_QUANT: tl.constexpr = False,
-):
-    kvh = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
+    FILL_PIECES: tl.constexpr = False,
+):  # fmt: skip
+    """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
+    kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
     b64 = b.to(tl.int64)
-    wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     total_len = load_total_len(seqlens_ptr, b, max_total)
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
 
@@ -260,7 +265,7 @@ def gqa_decode_split_kernel(
         # tile of any split reads it. (Metadata past max_total: the tiles read the clamped
         # range as unfused, and the row goes only to the cache.)
         kv_hi = tl.minimum(offset + rows_valid, total_len)
-        start = _split_start(offset, window, split, chunk, HAS_WINDOW)
+        start = _split_start(offset, window, lo, HAS_WINDOW)
         new_pos = tl.where(write & (raw_qpos == offset) & (rows_valid > 0), raw_qpos, -1)
         mine = (new_pos >= 0) & (start <= new_pos) & (new_pos < start + chunk)
         kv_hi = tl.where(new_pos >= 0, new_pos, kv_hi)
@@ -276,7 +281,7 @@ def gqa_decode_split_kernel(
         row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS,
                                    HAS_QSCALE)  # fmt: skip
         kv_hi = tl.minimum(offset + rows_valid, total_len)
-        start = _split_start(offset, window, split, chunk, HAS_WINDOW)
+        start = _split_start(offset, window, lo, HAS_WINDOW)
     end = tl.minimum(start + chunk, kv_hi)
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
@@ -329,6 +334,147 @@ def gqa_decode_split_kernel(
     part = ((b64 * seq_len + s_idx) * NUM_HEADS + n_idx) * num_splits + split  # [ROWS_PAD]
     tl.store(lse_part_ptr + part, lse, mask=in_rows)
     tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
+    if FILL_PIECES:  # balanced grid: the pair's first part marks its unused slots empty
+        j = pieces
+        while j < num_splits:
+            tl.store(lse_part_ptr + part - split + j, float("-inf"), mask=in_rows & (split == 0))
+            j += 1
+
+
+@triton.jit
+def gqa_decode_split_kernel(
+    q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
+    k_ptr,  # [B, KV, C, HEAD] cache
+    v_ptr,
+    seqlens_ptr,  # [B] int32, total_len - 1
+    max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
+    bias_ptr,  # [B|1, N|1, S, T]
+    vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
+    qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
+    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
+    lse_part_ptr,  # [B, S, N, splits] fp32
+    xq_ptr,  # FUSE_PROLOGUE: the raw query [B, 1, N*HEAD] (or packed QKV's Q part)
+    xk_ptr,  # FUSE_PROLOGUE: new K [B, 1, KV*HEAD]
+    xv_ptr,  # FUSE_PROLOGUE: new V [B, 1, KV*HEAD]
+    qn_w_ptr,  # [HEAD] (HAS_QNORM)
+    kn_w_ptr,  # [HEAD] (HAS_KNORM)
+    cos_ptr,  # [max_pos, ROT_DIM / 2] (HAS_ROTARY)
+    sin_ptr,
+    pos_ptr,  # [B, 1] int64 position ids (HAS_POS)
+    ks_ptr,  # k_scale fp32 [1] or [KV, 1, HEAD] (K_QUANT)
+    seq_len,
+    cap,  # C: cache rows (FUSE_PROLOGUE: the append's bound, as the prologue's)
+    window,
+    chunk,  # keys per split (multiple of BLOCK_N)
+    num_splits,
+    tiles_per_pair,  # BALANCED: BLOCK_N tiles of each pair's key range
+    total_tiles,  # BALANCED: pairs * tiles_per_pair
+    stride_qb,
+    stride_qs,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kc,
+    stride_vb,
+    stride_vh,
+    stride_vc,
+    stride_bias_b,
+    stride_bias_n,
+    stride_bias_s,
+    stride_bias_t,
+    stride_vs_h,
+    stride_vs_d,
+    stride_xqb,
+    stride_xkb,
+    stride_xvb,
+    stride_pb,
+    stride_cos,
+    stride_sin,
+    stride_ks_h,
+    stride_ks_d,
+    max_pos,
+    eps,
+    qk_scale,
+    softcap_mult,
+    NUM_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD: tl.constexpr,
+    ROWS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FIRST_PROMPT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr,
+    HAS_QSCALE: tl.constexpr,  # Q rows carry a power-of-two scale (qs_ptr): int8 K in fp16
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch
+    FUSE_PROLOGUE: tl.constexpr = False,  # S = 1: the prologue's work in this kernel
+    Q_DTYPE: tl.constexpr = tl.bfloat16,  # FUSE_PROLOGUE: == DOT_DTYPE
+    ROT_DIM: tl.constexpr = 0,
+    HAS_ROTARY: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False,
+    HAS_QNORM: tl.constexpr = False,
+    HAS_KNORM: tl.constexpr = False,
+    K_QUANT: tl.constexpr = False,
+    BALANCED: tl.constexpr = False,  # grid (programs,): equal tile ranges over all pairs
+):
+    wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
+    if BALANCED:
+        # the pairs' key tiles laid end to end (pair-major), program i takes tiles
+        # [i * total / P, (i + 1) * total / P): one part per pair it touches
+        pid = tl.program_id(0).to(tl.int64)
+        progs = tl.num_programs(0).to(tl.int64)
+        t = pid * total_tiles // progs
+        t_stop = (pid + 1) * total_tiles // progs
+        while t < t_stop:
+            pair = t // tiles_per_pair
+            pair_lo = pair * tiles_per_pair
+            seg_end = tl.minimum(t_stop, pair_lo + tiles_per_pair)
+            first = ((pair_lo + 1) * progs - 1) // total_tiles  # program holding tile pair_lo
+            last = ((pair_lo + tiles_per_pair) * progs - 1) // total_tiles
+            _split_part(
+                (pair // KV_HEADS).to(tl.int32), (pair % KV_HEADS).to(tl.int32),
+                (pid - first).to(tl.int32), (last - first + 1).to(tl.int32),
+                ((t - pair_lo) * BLOCK_N).to(tl.int32), q_ptr, k_ptr, v_ptr,
+                seqlens_ptr, max_total, bias_ptr, vs_ptr, qs_ptr, o_part_ptr,
+                lse_part_ptr, xq_ptr, xk_ptr, xv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr,
+                sin_ptr, pos_ptr, ks_ptr, seq_len, cap, window, ((seg_end - t) *
+                BLOCK_N).to(tl.int32), num_splits, stride_qb, stride_qs, stride_qn,
+                stride_kb, stride_kh, stride_kc, stride_vb, stride_vh, stride_vc,
+                stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
+                stride_vs_h, stride_vs_d, stride_xqb, stride_xkb, stride_xvb,
+                stride_pb, stride_cos, stride_sin, stride_ks_h, stride_ks_d,
+                max_pos, eps, qk_scale, softcap_mult, NUM_HEADS, KV_HEADS, GROUP,
+                HEAD, ROWS_PAD, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
+                HAS_BIAS, HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE,
+                INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
+                INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
+                FILL_PIECES=True,
+            )  # fmt: skip
+            t = seg_end
+    else:
+        split = tl.program_id(2)
+        _split_part(
+            tl.program_id(1), tl.program_id(0), split, 1, split * chunk, q_ptr, k_ptr,
+            v_ptr, seqlens_ptr, max_total, bias_ptr, vs_ptr, qs_ptr, o_part_ptr,
+            lse_part_ptr, xq_ptr, xk_ptr, xv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,
+            pos_ptr, ks_ptr, seq_len, cap, window, chunk, num_splits, stride_qb,
+            stride_qs, stride_qn, stride_kb, stride_kh, stride_kc, stride_vb,
+            stride_vh, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+            stride_bias_t, stride_vs_h, stride_vs_d, stride_xqb, stride_xkb,
+            stride_xvb, stride_pb, stride_cos, stride_sin, stride_ks_h, stride_ks_d,
+            max_pos, eps, qk_scale, softcap_mult, NUM_HEADS, KV_HEADS, GROUP, HEAD,
+            ROWS_PAD, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
+            HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
+            FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
+            HAS_QNORM, HAS_KNORM, K_QUANT,
+        )  # fmt: skip
 
 
 def pair_count_plan(head: int, dot_dtype, cache_dtype) -> bool:

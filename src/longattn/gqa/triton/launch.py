@@ -105,6 +105,18 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
     return max(1, min(want, cap, 256))
 
 
+MIN_PART_TILES = 4  # balanced grid: key tiles per program at least
+
+
+def balanced_grid(pairs: int, tiles: int, programs: int) -> tuple[int]:
+    """Grid of the split kernel's ``BALANCED`` build: ``programs`` (one wave of resident
+    CTAs), fewer where a program would get < ``MIN_PART_TILES`` of the ``pairs * tiles`` key
+    tiles. Each program takes an equal share of the tiles laid end to end, across pair
+    boundaries, so no SM idles in a partial last wave (the split plan's wave quantization:
+    e.g. B=17 at KV=8 is 136 pairs on 132 SMs)."""
+    return (max(1, min(programs, pairs * tiles // MIN_PART_TILES)),)
+
+
 def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
     if bias is None:
         return 0, 0, 0, 0
@@ -441,11 +453,19 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
-    splits = num_splits or choose_num_splits(
-        b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance
-    )
-    chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    splits = cdiv(span, chunk)
+    tiles = cdiv(span, cfg["BLOCK_N"])  # key tiles of each (sequence, KV head) pair
+    if cfg.get("BALANCED") and not num_splits:
+        grid = balanced_grid(b * kv, tiles, sms * resident)
+        chunk = tiles * cfg["BLOCK_N"]  # (unused)
+        splits = min(cdiv(grid[0], b * kv) + 1, tiles)  # o_part slots: parts per pair
+    else:
+        cfg["BALANCED"] = False
+        splits = num_splits or choose_num_splits(
+            b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance
+        )
+        chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        splits = cdiv(span, chunk)
+        grid = (kv, b, splits)
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=out.device)
     lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=out.device)
     bias = p.attention_bias
@@ -453,7 +473,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     quant_v = present_value.dtype == torch.int8
     vs_h, vs_d = _scale_strides(p.v_scale if quant_v else None)
     qk_scale, softcap_mult = _logit_scalars(p)
-    gqa_decode_split_kernel[(kv, b, splits)](
+    gqa_decode_split_kernel[grid](
         **pdl_kwargs(q_any),
         q_ptr=q_any,
         k_ptr=present_key,
@@ -470,6 +490,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         window=max(p.local_window_size, 0),
         chunk=chunk,
         num_splits=splits,
+        tiles_per_pair=tiles,
+        total_tiles=b * kv * tiles,
         stride_qb=q_any.stride(0) if q_rot is not None else 0,
         stride_qs=q_any.stride(1) if q_rot is not None else 0,
         stride_qn=q_any.stride(2) if q_rot is not None else 0,
