@@ -101,7 +101,7 @@ def _best_ours_graph(row: dict) -> str | None:
 
 def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
     from longattn.gqa.triton import launch
-    from longattn.gqa.triton.decode import pair_count_plan
+    from longattn.gqa.triton.decode import four_split_band, pair_count_plan
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -130,6 +130,12 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
                 fn = gqa._decode_fn(p, cfg, splits)
                 row[f"{key}_graph_us"] = gqa._graph_time_or_none(fn, sets)
                 row[f"{key}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
+        if cfg_names is not None and "split_plan" in cfg_names:
+            # the split plan without the balanced grid (what decode_config chose before it)
+            band = four_split_band(b * gqa.KV, sms)
+            fn = gqa._decode_fn(p, dict(base, BALANCED=False, num_stages=2 if band else 4))
+            row["split_plan_graph_us"] = gqa._graph_time_or_none(fn, sets)
+            row["split_plan_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
         for name, bn, st in BAL_CFGS:
             if cfg_names is not None and name not in cfg_names:
                 continue

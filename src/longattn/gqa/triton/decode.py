@@ -7,6 +7,16 @@ for ``tl.dot``. Each K/V byte is therefore read once per group. It writes fp32 p
 ``o_part [B, S, N, splits, HEAD]`` (normalized) and ``lse_part [B, S, N, splits]``
 (log2 domain; -inf for an empty slice).
 
+``BALANCED`` (a ``decode_cfg`` option; the default where ``decode_config`` finds the split plan's
+last wave >= 10% empty, ``split_wave_fill``): grid (programs,), about one wave of resident
+CTAs. The pairs' key tiles are laid end to end (pair-major) and program i takes the run of
+tiles ``[i * total / programs, (i + 1) * total / programs)``, crossing pair boundaries: one
+part (``_split_part``, the same body) per pair it touches, each into its own o_part slot (the
+part's index among the pair's consecutive programs); the pair's first part marks the slots
+no program fills as empty (lse -inf). No SM idles in a part-empty last wave (B=17 at KV=8 is
+136 pairs on 132 SMs), at the price of a second part (Q setup, pipeline fill) in some
+programs, which loses where the split plan already fills its waves.
+
 The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
 (head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
 
@@ -31,7 +41,7 @@ from ..._triton_prologue import (
     rotary_pos,
     store_new_row,
 )
-from ..._triton_utils import wait_prior_grids
+from ..._triton_utils import cdiv, wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_kv_tile,
@@ -499,6 +509,21 @@ def four_split_band(pairs: int, num_sms: int) -> bool:
     return num_sms > 0 and 9 * num_sms <= 8 * pairs < 12 * num_sms
 
 
+def split_wave_fill(pairs: int, num_sms: int) -> float:
+    """Busy fraction of the CTA slots over the waves of the 16-bit H <= 128 split plan when the
+    pairs alone fill a wave (``pairs > num_sms``: one split, 4 stages, one CTA per SM; 4 splits
+    at 2 stages, 3 CTAs per SM, in ``four_split_band``): e.g. B=17 at KV=8 on 132 SMs, 136
+    CTAs in 2 waves of 132 = 0.52; B=20 (band) 640 in 2 waves of 396 = 0.81; B=32 0.97.
+    1.0 when the pairs do not fill one wave (the plan then splits into about one wave)."""
+    if num_sms <= 0 or pairs <= num_sms:
+        return 1.0
+    ctas, slots = (4 * pairs, 3 * num_sms) if four_split_band(pairs, num_sms) else (pairs, num_sms)
+    return ctas / (cdiv(ctas, slots) * slots)
+
+
+BALANCED_BELOW_FILL = 0.9  # split_wave_fill under which the 16-bit plan takes the BALANCED grid
+
+
 def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int = 0,
                   num_sms: int = 0) -> dict:  # fmt: skip
     """(BLOCK_N, num_warps, num_stages, FUSE_PROLOGUE) of the split kernel, keyed on head size,
@@ -521,7 +546,19 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
-        if pair_count_plan(head, dot_dtype, cache_dtype) and four_split_band(pairs, num_sms):
+        if not pair_count_plan(head, dot_dtype, cache_dtype):
+            pass
+        elif split_wave_fill(pairs, num_sms) < BALANCED_BELOW_FILL:
+            # more pairs than SMs, and the split plan's last wave would run part empty: the
+            # BALANCED grid, 3 stages (2 CTAs per SM). H100, same process, us (split plan;
+            # balanced at 4 / 3 stages; cuDNN): B=17 T=32K 865.7; 752.5 / 748.1; 782.2, B=17
+            # T=4K 117.4; 105.8 / 107.6; 100.5, B=20 T=32K (band) 918.6; 880.8 / 874.0; 960.4,
+            # B=28 T=32K 1291.3; 1236.9 / 1223.6; 1257.5. Where the plan fills its waves it
+            # lost or tied: B=1 T=32K 54.0; 61.7 / 56.5, B=8 T=4K 53.9; 59.8 / 59.2, B=32
+            # T=32K 1393.6; 1396.1 / 1389.4 (a program's second part costs a Q setup and a
+            # pipeline fill; gqa_balanced_ab_h100.json)
+            cfg.update(num_stages=3, BALANCED=True)
+        elif four_split_band(pairs, num_sms):
             # 9/8-3/2 waves of (sequence, KV head) pairs: 2 stages (64 KB, 3 CTAs per SM)
             # and 4 splits instead of 1.1-1.5 waves of one CTA per SM (four_split_band)
             cfg["num_stages"] = 2

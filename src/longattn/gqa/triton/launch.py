@@ -27,7 +27,12 @@ from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
 from .._params import GQAParams
 from ._core import LOG2E
-from .decode import decode_config, four_split_band, gqa_decode_split_kernel, pair_count_plan
+from .decode import (
+    decode_config,
+    four_split_band,
+    gqa_decode_split_kernel,
+    pair_count_plan,
+)
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
 
