@@ -9,6 +9,9 @@ Sections (results rewritten after each, so a cut-short run keeps what it measure
   contiguous GQA Triton decode (``gqa_triton`` on a ``[B, KV, T_max, H]`` cache with the same
   ragged lengths) and "gather + SDPA" (the paged K/V gathered into a padded ``[B, KV, T_max, H]``
   buffer through the block table, then SDPA with a length mask; the gather is timed too).
+- ``int8`` (not in the default sections): B in {8, 64} of the decode section's ragged lengths,
+  block_size 64: the paged decode with an int8 cache (per-tensor scales) vs the bf16 cache on
+  the same table and queries, and the contiguous GQA int8 decode on the same lengths.
 - ``mixed``: 4 sequences x 2K new tokens (first prompts) + 60 decode sequences (T in 1K..16K) in
   one paged call, vs the two parts run separately with SDPA (causal prefill on the 4 prompts,
   gather + SDPA decode on the 60).
@@ -23,6 +26,7 @@ is timed on the same query as gather + SDPA, and the two peers' outputs are comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -275,6 +279,50 @@ def mixed(rows, copy_tbs, block_size=64):
     rows.append(row)
 
 
+def int8(rows, copy_tbs, block_size=64):
+    """Paged decode with an int8 cache (per-tensor scales) vs the bf16 cache, same ragged
+    lengths, block table and queries; contiguous GQA int8 decode on the same lengths."""
+    for b in (8, 64):
+        lengths = _ragged(b, 1024, 65536, seed=b)
+        t_max = max(lengths)
+        cos, sin = rope_cache(t_max + 1, H, device=DEV)
+        q, k, v, kc, vc, cu, past, table = _paged_batch([1] * b, [t - 1 for t in lengths],
+                                                        block_size, seed=block_size)  # fmt: skip
+        p = _paged_params(cos, sin)
+        bf16_us = _graph_us(paged_attention_triton, (q, k, v, kc, vc, cu, past, table, p))
+        scale = torch.full((1,), 0.03, device=DEV)
+        kc8 = (kc.float() / 0.03).round().clamp(-127, 127).to(torch.int8)
+        vc8 = (vc.float() / 0.03).round().clamp(-127, 127).to(torch.int8)
+        del kc, vc
+        p8 = dataclasses.replace(p, k_scale=scale, v_scale=scale)
+        int8_us = _graph_us(paged_attention_triton, (q, k, v, kc8, vc8, cu, past, table, p8))
+        del kc8, vc8
+        torch.cuda.empty_cache()
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV) - 1
+        pk8 = torch.randint(-127, 128, (b, KV, t_max, H), device=DEV, dtype=torch.int8)
+        pv8 = torch.randint_like(pk8, -127, 128)
+        gp8 = dataclasses.replace(_gqa_params(t_max, cos, sin), k_scale=scale, v_scale=scale)
+        gq = torch.randn(b, 1, N * H, device=DEV, dtype=BF16)
+        gk = torch.randn(b, 1, KV * H, device=DEV, dtype=BF16)
+        gqa8_us = _graph_us(gqa_triton, (gq, gk, torch.randn_like(gk), pk8, pv8, seqlens, gp8))
+        del pk8, pv8
+        torch.cuda.empty_cache()
+        nbytes8 = sum(lengths) * KV * H * 2
+        row = dict(section="int8", B=b, block_size=block_size, T_min=min(lengths), T_max=t_max,
+                   KV_MB_int8=nbytes8 / 1e6, ours_bf16_us=bf16_us, ours_int8_us=int8_us,
+                   gqa_contig_int8_us=gqa8_us,
+                   floor_int8_us=nbytes8 / (copy_tbs * 1e12) * 1e6)  # fmt: skip
+        if bf16_us and int8_us:
+            row["int8_speedup_vs_bf16"] = bf16_us / int8_us
+            row["ours_int8_GBps"] = nbytes8 / (int8_us * 1e-6) / 1e9
+        if int8_us and gqa8_us:
+            row["ours_int8_vs_gqa_int8"] = gqa8_us / int8_us
+        print(f"  {row}", flush=True)
+        rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -300,7 +348,8 @@ def main(argv=None):
     t0 = time.time()
     for name, fn in (("tune", lambda: tune(rows, ceil["copy_TBps"])),
                      ("decode", lambda: decode(rows, ceil["copy_TBps"])),
-                     ("mixed", lambda: mixed(rows, ceil["copy_TBps"]))):  # fmt: skip
+                     ("mixed", lambda: mixed(rows, ceil["copy_TBps"])),
+                     ("int8", lambda: int8(rows, ceil["copy_TBps"]))):  # fmt: skip
         if name not in args.sections.split(","):
             continue
         print(f"== {name} ({time.time() - t0:.0f}s)", flush=True)
