@@ -497,3 +497,46 @@ def test_bad_cu_seqlens_stay_in_bounds(cu, device):
                                     validate=False))  # fmt: skip
     ok_rows = slice(0, 4) if cu[0] == 0 else slice(1, 4)  # rows of sequence 1 / 0 and 1
     torch.testing.assert_close(outs[1][ok_rows], outs[0][ok_rows], atol=1e-5, rtol=1e-5)
+
+
+def test_int8_decode_config_and_split_budget(monkeypatch):
+    """int8 caches at H <= 128: 4 warps on blocks of >= 64 rows (8 where a tile gathers several
+    blocks), 16-bit builds unchanged; the decode split budget covers 4x the SM target."""
+    bf16 = torch.bfloat16
+    assert launch.decode_config(128, torch.float16, INT8, False) == dict(
+        BLOCK_N=64, num_warps=4, num_stages=3
+    )
+    assert launch.decode_config(128, bf16, bf16, False)["num_warps"] == 8
+    assert launch.decode_config(256, torch.float16, INT8, False)["BLOCK_N"] == 32
+    p = PagedParams(
+        num_heads=32, kv_num_heads=8, head_size=128, scale=0.1, softcap=0.0,
+        local_window_size=-1, do_rotary=False, rotary_interleaved=False, smooth_softmax=False,
+        qk_norm_epsilon=1e-6, cos_cache=None, sin_cache=None, head_sink=None,
+        q_norm_weight=None, k_norm_weight=None, k_scale=None, v_scale=None,
+    )  # fmt: skip
+    monkeypatch.setattr(launch, "_interpret", lambda: False)
+    warps = {bs: launch.launch_shapes(p, INT8, torch.float16, bs)["decode"][2]["num_warps"]
+             for bs in (16, 32, 64, 256)}  # fmt: skip
+    assert warps == {16: 8, 32: 8, 64: 4, 256: 4}
+    assert launch.launch_shapes(p, bf16, bf16, 16)["decode"][2]["num_warps"] == 8
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cache", [None, "int8"])
+def test_decode_split_budget_follows_the_cache_dtype(cache, device, monkeypatch):
+    """The decode launch's split budget: WAVES programs per SM per KV head, 4x that for int8
+    caches (issue-bound tiles), or 8 items per sequence if more."""
+    seen = []
+    orig = launch.run_attention
+    monkeypatch.setattr(
+        launch,
+        "run_attention",
+        lambda *a, **k: seen.append((k["flavor"], k["extra"])) or orig(*a, **k),
+    )
+    bt = build(Case(seqs=((1, 37), (1, 20)), kv=2, cache=cache or "same"), device)
+    paged_attention_triton(bt.query, bt.key, bt.value, bt.key_cache, bt.value_cache, bt.cu,
+                           bt.past, bt.table, bt.p)  # fmt: skip
+    target = -(-launch.WAVES * launch._device_sms(bt.query) // 2)
+    per_seq = launch.DECODE_ITEMS_PER_SEQ * 2
+    assert seen == [("decode", max(target * (4 if cache else 1), per_seq))]
+    assert target < per_seq < 4 * target  # the two cases differ

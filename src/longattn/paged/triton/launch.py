@@ -35,6 +35,7 @@ from .prologue import paged_prologue_kernel
 SUPPORTED_HEADS = (16, 32, 64, 128, 256)  # power-of-two head sizes
 WAVES = 4  # programs per SM the split budget aims for
 DECODE_ITEMS_PER_SEQ = 8  # decode split budget at least this many items per sequence
+INT8_TARGET_WAVES = 4  # int8 caches: the decode split budget covers this many times the SMs
 MAX_DECODE_EXTRA = 4096  # cap of that budget (fp32 partials: extra x KV x ROWS x H floats)
 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
@@ -151,12 +152,16 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool) -> dict:
 
     Chosen from sm_90 compiles (ptxas resource usage, no spills): H <= 128 with BLOCK_N = 64
     needs 8 warps when a tile gathers rows of several blocks (block_size < 64); H = 256 takes
-    BLOCK_N = 32. int8 caches keep BLOCK_N = 64 (128 spills). Not yet timed on the H200: see
-    benchmarks/bench_paged.py."""
+    BLOCK_N = 32. int8 caches keep BLOCK_N = 64 (128 spills) at 4 warps: H100, ragged T
+    1K..64K, block 64, us (8 warps, 3 stages = the 16-bit build; 4 warps, 3 stages): B=8 448.0;
+    388.0, B=64 2265.6; 1943.2 (4 warps 4 stages 425.6 / 1969.5; BLOCK_N 128 8 warps 477.7 /
+    3131.6; BLOCK_N 32 460.7 / 2070.3; ``paged_int8_tune_h100.json``)."""
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    if cache_dtype == torch.int8 and head <= 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
     if head <= 128:
         return dict(BLOCK_N=64, num_warps=8, num_stages=3)
     return dict(BLOCK_N=32, num_warps=8, num_stages=3)
@@ -171,6 +176,10 @@ def launch_shapes(p: PagedParams, cache_dtype, dot_dtype, block_size: int, *, de
     group = p.group
     interp = _interpret()
     cfg_d = dict(decode_cfg or decode_config(p.head_size, dot_dtype, cache_dtype, interp))
+    if decode_cfg is None and not interp and cache_dtype == torch.int8 and block_size < 64:
+        # the int8 build's 4 warps were timed on 64-row blocks; tiles that gather several
+        # blocks keep the 8 warps every H <= 128 build had (see decode_config)
+        cfg_d["num_warps"] = max(cfg_d["num_warps"], 8)
     rows_d = max(16, next_pow2(group))
     cfg_p = dict(prefill_cfg or prefill_config(p.head_size, dot_dtype, interp))
     if prefill_cfg is None and 32 <= block_size < cfg_p["BLOCK_N"]:
@@ -284,8 +293,12 @@ def paged_attention_triton(
     # Ragged decode batches balance better with more, smaller items than "fill the SMs" gives:
     # H200, ragged T 1K..64K, bs 64: B=64 2654 us at the SM target (66 items/KV head) vs 2203 us
     # at 528 (4.27 TB/s, 1.04x contiguous GQA); B=8 best at 66 (379 us; 450 us at 528).
+    # int8 tiles are instruction-issue bound (as GQA's): more, shorter items pay; H100, same
+    # batches, 4 warps: B=8 360.0 us at 264 items/KV head vs 388.0 at 66 (B=64: 512 items
+    # 1943.2, 2048 2054.1; paged_int8_tune_h100.json)
+    target_d = INT8_TARGET_WAVES * target if key_cache.dtype == torch.int8 else target
     if decode_splits is None:
-        extra_d = max(target, min(DECODE_ITEMS_PER_SEQ * batch, MAX_DECODE_EXTRA))
+        extra_d = max(target_d, min(DECODE_ITEMS_PER_SEQ * batch, MAX_DECODE_EXTRA))
     else:
         extra_d = decode_splits
     run_attention(*args, flavor="decode", rows=rows_d, tok_m=tok_d, dec_tok=tok_d, cfg=cfg_d,
