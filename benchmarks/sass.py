@@ -21,6 +21,7 @@ scalar. Prints the whole-kernel histogram and one per backward-branch loop.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -48,6 +49,15 @@ def compile_sass(
     """{"sass", "ttgir", "ptx", "shared", "regs", "stack"} of ``fn`` built for sm_<cc>; non-constexpr arguments
     not in ``types`` are i32 (``*_ptr``: *fp32)."""
     sig, attrs = {}, {}
+    constexprs = dict(constexprs)
+    for param in getattr(fn, "params", ()):  # constexprs left out take their defaults
+        default = getattr(param, "default", inspect.Parameter.empty)
+        if (
+            param.is_constexpr
+            and param.name not in constexprs
+            and default is not inspect.Parameter.empty
+        ):
+            constexprs[param.name] = default
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"

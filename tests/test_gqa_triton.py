@@ -417,6 +417,22 @@ def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
     _assert_within_two_roundings_16bit(got, base)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("fill", [0.5, 0.8])
+def test_int8_split_plan_takes_the_balanced_grid_below_its_fill(fill, device, monkeypatch):
+    """int8 caches, default config: the balanced grid where the split plan's waves are less
+    than INT8_BALANCED_BELOW_FILL full; not with an explicit decode_cfg / num_splits, and
+    never for 16-bit caches on this path."""
+    monkeypatch.setattr(launch, "wave_fill", lambda *a: fill)
+    grids = _count_calls(monkeypatch, "balanced_grid")
+    c = DECODE_CASES["sink-window-softcap-int8"]
+    _run_and_check(c, device)
+    assert grids == ([1] if fill < launch.INT8_BALANCED_BELOW_FILL else [])
+    _run_and_check(dataclasses.replace(c, num_splits=2), device)
+    _run_and_check(dataclasses.replace(c, cache=torch.float16), device)
+    assert len(grids) == (1 if fill < launch.INT8_BALANCED_BELOW_FILL else 0)
+
+
 def test_balanced_grid_size():
     """One program per resident CTA slot, but >= MIN_PART_TILES key tiles per program."""
     assert launch.balanced_grid(pairs=136, tiles=512, programs=132) == (132,)

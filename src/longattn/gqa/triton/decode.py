@@ -509,6 +509,12 @@ def four_split_band(pairs: int, num_sms: int) -> bool:
     return num_sms > 0 and 9 * num_sms <= 8 * pairs < 12 * num_sms
 
 
+def wave_fill(ctas: int, slots: int) -> float:
+    """Busy fraction of ``slots`` resident CTA slots over the waves that ``ctas`` programs of
+    equal length take (1.0 for a whole number of waves)."""
+    return ctas / (cdiv(ctas, slots) * slots) if ctas > 0 and slots > 0 else 1.0
+
+
 def split_wave_fill(pairs: int, num_sms: int) -> float:
     """Busy fraction of the CTA slots over the waves of the 16-bit H <= 128 split plan when the
     pairs alone fill a wave (``pairs > num_sms``: one split, 4 stages, one CTA per SM; 4 splits
@@ -518,7 +524,7 @@ def split_wave_fill(pairs: int, num_sms: int) -> float:
     if num_sms <= 0 or pairs <= num_sms:
         return 1.0
     ctas, slots = (4 * pairs, 3 * num_sms) if four_split_band(pairs, num_sms) else (pairs, num_sms)
-    return ctas / (cdiv(ctas, slots) * slots)
+    return wave_fill(ctas, slots)
 
 
 BALANCED_BELOW_FILL = 0.9  # split_wave_fill under which the 16-bit plan takes the BALANCED grid

@@ -32,6 +32,7 @@ from .decode import (
     four_split_band,
     gqa_decode_split_kernel,
     pair_count_plan,
+    wave_fill,
 )
 from .prefill import gqa_prefill_kernel, prefill_config
 from .prologue import gqa_prologue_kernel, prologue_block_heads
@@ -111,6 +112,7 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
 
 
 MIN_PART_TILES = 4  # balanced grid: key tiles per program at least
+INT8_BALANCED_BELOW_FILL = 0.75  # int8 split plans filling their waves less take the balanced grid
 
 
 def balanced_grid(pairs: int, tiles: int, programs: int) -> tuple[int]:
@@ -437,10 +439,12 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, 
 
 
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
-               q_scale=None, fused=None, dot=None):  # fmt: skip
+               q_scale=None, fused=None, dot=None, default_cfg=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
     ``fused``: the fused-prologue arguments (``_triton_prologue.fused_prologue_args``; S = 1,
-    ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype."""
+    ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype.
+    ``default_cfg``: ``cfg`` is ``decode_config``'s (default: ``cfg is None``); only then may
+    the int8 plan switch to the balanced grid."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -450,6 +454,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         fused is not None and fused["K_QUANT"] and dot == torch.float16
     )
     sms = device_sms(out)
+    default_cfg = cfg is None if default_cfg is None else default_cfg
     cfg = dict(cfg or decode_config(h, dot, present_key.dtype, _interpret(), b * kv, sms))
     span = p.total_sequence_length
     if p.local_window_size > 0:
@@ -459,11 +464,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
     tiles = cdiv(span, cfg["BLOCK_N"])  # key tiles of each (sequence, KV head) pair
-    if cfg.get("BALANCED") and not num_splits:
-        grid = balanced_grid(b * kv, tiles, sms * resident)
-        chunk = tiles * cfg["BLOCK_N"]  # (unused)
-        splits = min(cdiv(grid[0], b * kv) + 1, tiles)  # o_part slots: parts per pair
-    else:
+    if not (cfg.get("BALANCED") and not num_splits):
         cfg["BALANCED"] = False
         splits = num_splits or choose_num_splits(
             b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance
@@ -471,6 +472,18 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         splits = cdiv(span, chunk)
         grid = (kv, b, splits)
+        # int8 (the default build): the split plan's ~4 waves of CTAs can still end in a
+        # mostly empty one; H100, same process, us (split plan; balanced grid, one wave):
+        # B=17 T=32K / 128K 469.6 / 1823.0; 413.3 / 1540.4 (fill 0.69); B=20 / 28 T=32K
+        # 472.9 / 654.4; 477.2 / 656.3 (0.81 / 0.85); B=1 / 8 T=128K 104.9 / 734.1; 111.1 /
+        # 741.8 (gqa_balanced_int8_ab_h100.json)
+        fill = wave_fill(b * kv * splits, sms * resident)
+        if default_cfg and int8 and not num_splits and fill < INT8_BALANCED_BELOW_FILL:
+            cfg["BALANCED"] = True
+    if cfg["BALANCED"]:
+        grid = balanced_grid(b * kv, tiles, sms * resident)
+        chunk = tiles * cfg["BLOCK_N"]  # (unused)
+        splits = min(cdiv(grid[0], b * kv) + 1, tiles)  # o_part slots: parts per pair
     o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=out.device)
     lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=out.device)
     bias = p.attention_bias
@@ -563,6 +576,7 @@ def gqa_triton(
     fused = None
     if path == "decode":
         pairs, sms = b * p.kv_num_heads, device_sms(query)
+        default_cfg = decode_cfg is None
         decode_cfg = dict(
             decode_cfg or decode_config(h, dot, present_key.dtype, _interpret(), pairs, sms)
         )
@@ -575,7 +589,7 @@ def gqa_triton(
         run_prologue(query, key, value, present_key, present_value, seqlens_k, p, q_rot, q_scale)
     if path == "decode":
         run_decode(q_rot, present_key, present_value, seqlens_k, p, out, decode_cfg, num_splits,
-                   q_scale, fused, dot)  # fmt: skip
+                   q_scale, fused, dot, default_cfg)  # fmt: skip
     elif path == "prefill_gluon":
         run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, prefill_cfg)
     else:
