@@ -557,7 +557,10 @@ def test_bad_shapes_and_dtypes():
     _bad(bt, "validate must be a bool", TypeError, validate=1)
     _bad(bt, "softcap must be >= 0", softcap="x")
     _bad(bt, "scale must be a finite float", scale="x")
-    _bad(bt, "qk_norm_epsilon must be a float >= 0", qk_norm_epsilon=-1e-6)
+    _bad(bt, "qk_norm_epsilon must be a finite float >= 0", qk_norm_epsilon=-1e-6)
+    _bad(bt, "qk_norm_epsilon must be a finite float >= 0", qk_norm_epsilon=float("inf"))
+    _bad(bt, "scale must be a finite float", scale=False)  # a bool: not the default
+    _bad(bt, "scale must be a finite float", scale=True)
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,13 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_bool,
+    check_epsilon,
     check_positive_int,
     check_tensor,
     data_checks_allowed,
     is_finite,
     is_real,
+    resolve_scale,
 )
 from . import _validate
 from ._params import PagedParams
@@ -222,13 +224,7 @@ def validate_inputs(
         raise ValueError(f"local_window_size must be -1 (off) or > 0, got {local_window_size!r}")
     if not is_real(softcap) or not is_finite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
-    if scale is None or scale == 0:
-        return 1.0 / math.sqrt(h)
-    if not is_real(scale) or not is_finite(scale) or scale < 0:
-        raise ValueError(
-            f"scale must be a finite float > 0 (or None/0 for 1/sqrt(H)), got {scale!r}"
-        )
-    return float(scale)
+    return float(resolve_scale(scale, 1.0 / math.sqrt(h), "1/sqrt(H)"))
 
 
 def _check_data(cu, past, table, *, tokens, block_size, num_blocks, cos_cache, do_rotary):
@@ -338,8 +334,7 @@ def paged_attention(
         softcap=softcap, local_window_size=local_window_size, do_rotary=do_rotary,
     )  # fmt: skip
     check_bool("validate", validate)
-    if not is_real(qk_norm_epsilon) or not qk_norm_epsilon >= 0.0:
-        raise ValueError(f"qk_norm_epsilon must be a float >= 0, got {qk_norm_epsilon!r}")
+    check_epsilon("qk_norm_epsilon", qk_norm_epsilon)
     if validate and data_checks_allowed(cumulative_sequence_length):
         _check_data(cumulative_sequence_length, past_seqlens, block_table,
                     tokens=query.shape[0], block_size=key_cache.shape[1],

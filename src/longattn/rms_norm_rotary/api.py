@@ -9,6 +9,7 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_bool,
+    check_epsilon,
     check_nonneg_int,
     check_out_dtype,
     check_position_range,
@@ -16,7 +17,6 @@ from .._common import (
     check_tensor,
     data_checks_allowed,
     host_ranges,
-    is_real,
 )
 from .chunked import rms_norm_rotary_chunked
 from .reference import rms_norm_rotary_reference
@@ -236,8 +236,7 @@ def rms_norm_rotary(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )
     check_bool("validate", validate)
-    if not is_real(epsilon) or not epsilon >= 0.0:
-        raise ValueError(f"epsilon must be a float >= 0, got {epsilon!r}")
+    check_epsilon("epsilon", epsilon)
     if validate and position_ids is not None and position_ids.numel():
         if data_checks_allowed(position_ids):
             check_position_range(*host_ranges(position_ids)[0], cos_cache.shape[0])
