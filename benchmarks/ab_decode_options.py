@@ -99,27 +99,33 @@ def _best_ours_graph(row: dict) -> str | None:
     return min(ours, key=ours.get) if ours else None
 
 
-def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
+def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None, cache="bf16") -> list[dict]:
+    """``cache="int8"``: int8 caches (bf16 activations, fp16 Q rows), no cuDNN peer and no
+    WAVE_CFGS split sweeps; ``split_plan`` is then the int8 split plan (an explicit
+    ``decode_cfg``, which keeps the launcher from switching to the balanced grid)."""
     from longattn.gqa.triton import launch
     from longattn.gqa.triton.decode import four_split_band, pair_count_plan
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cudnn = gqa._sdpa("cudnn")
+    int8 = cache == "int8"
     for b, t in shapes:
         dt = torch.bfloat16
-        sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, 2))
-        chain_sets = gqa._chain_sets(sets, b, t, dt)
-        nbytes = 2 * b * gqa.KV * t * 128 * 2
-        base = launch.decode_config(128, dt, dt, False, b * gqa.KV, sms)
-        row = dict(section="gqa_waves", B=b, T=t, KV_MB=nbytes / 1e6)
+        cdt = torch.int8 if int8 else dt
+        sets, p = gqa._decode_sets(b, t, cdt, gqa._decode_set_count(b, t, cdt.itemsize))
+        chain_sets = gqa._chain_sets(sets, b, t, cdt)
+        nbytes = 2 * b * gqa.KV * t * 128 * cdt.itemsize
+        base = launch.decode_config(128, torch.float16 if int8 else dt, cdt, False, b * gqa.KV,
+                                    sms)  # fmt: skip
+        row = dict(section="gqa_waves", cache=cache, B=b, T=t, KV_MB=nbytes / 1e6)
         q_sets = [(torch.randn(b, gqa.N, 1, 128, device=gqa.DEV, dtype=dt), s[3], s[4], False)
                   for s in sets]  # fmt: skip
-        row["cudnn_graph_us"] = gqa._graph_time_or_none(cudnn, q_sets)
+        row["cudnn_graph_us"] = None if int8 else gqa._graph_time_or_none(cudnn, q_sets)
         row["default_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
         row["default_chain_us"] = gqa._chain_time_or_none(gqa._decode_fn(p), chain_sets)
         for name, bn, st in WAVE_CFGS:
-            if cfg_names is not None and name not in cfg_names:
+            if int8 or (cfg_names is not None and name not in cfg_names):
                 continue
             cfg = dict(base, BLOCK_N=bn, num_stages=st)
             res = launch.resident_ctas(cfg, 128, 2)
@@ -133,13 +139,17 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None) -> list[dict]:
         if cfg_names is not None and "split_plan" in cfg_names:
             # the split plan without the balanced grid (what decode_config chose before it)
             band = four_split_band(b * gqa.KV, sms)
-            fn = gqa._decode_fn(p, dict(base, BALANCED=False, num_stages=2 if band else 4))
+            plan = dict(base) if int8 else dict(base, num_stages=2 if band else 4)
+            fn = gqa._decode_fn(p, dict(plan, BALANCED=False))
             row["split_plan_graph_us"] = gqa._graph_time_or_none(fn, sets)
             row["split_plan_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
         for name, bn, st in BAL_CFGS:
             if cfg_names is not None and name not in cfg_names:
                 continue
-            fn = gqa._decode_fn(p, dict(base, BLOCK_N=bn, num_stages=st, BALANCED=True))
+            cfg = dict(base, BALANCED=True)
+            if not int8:  # int8: its own tiles (BLOCK_N 128, 3 stages)
+                cfg.update(BLOCK_N=bn, num_stages=st)
+            fn = gqa._decode_fn(p, cfg)
             row[f"{name}_graph_us"] = gqa._graph_time_or_none(fn, sets)
             row[f"{name}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
         row["default_again_graph_us"] = gqa._graph_time_or_none(gqa._decode_fn(p), sets)
@@ -185,6 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves")
     ap.add_argument("--wave-shapes", default=None, help="gqa_waves: BxT list, e.g. 32x4096")
     ap.add_argument("--wave-cfgs", default=None, help="gqa_waves: WAVE_CFGS names to run")
+    ap.add_argument(
+        "--wave-cache",
+        default="bf16",
+        choices=["bf16", "int8"],
+        help="gqa_waves: cache dtype (int8: bal_* = the balanced grid, one wave)",
+    )
     args = ap.parse_args(argv)
     meta = gpu_meta()
     print(meta, flush=True)
@@ -195,7 +211,7 @@ def main(argv=None) -> int:
         if args.wave_shapes:
             shapes = [tuple(int(x) for x in bt.split("x")) for bt in args.wave_shapes.split(",")]
         names = args.wave_cfgs.split(",") if args.wave_cfgs else None
-        rows += gqa_wave_rows(shapes, names)
+        rows += gqa_wave_rows(shapes, names, args.wave_cache)
     if "gqa_fused" in sections:
         rows += gqa_fused_rows(args.quick)
     if "dsa_int8" in sections:
