@@ -277,12 +277,18 @@ def _variant(dsa=None, select=None):
     from longattn.sparse.triton import select as sel_mod
 
     orig_cfg, orig_sel = dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS
+    orig_warps = sel_mod.select_num_warps
+    select = dict(select or {})
+    warps = select.pop("num_warps", None)  # the select launch's warps (select_num_warps)
     dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
-    sel_mod.SELECT_DEFAULTS = dict(orig_sel, **(select or {}))
+    sel_mod.SELECT_DEFAULTS = dict(orig_sel, **select)
+    if warps:
+        sel_mod.select_num_warps = lambda nb_pad: warps
     try:
         yield
     finally:
         dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
+        sel_mod.select_num_warps = orig_warps
 
 
 # A/B variants of the layer section (options off by default until measured):
@@ -299,6 +305,11 @@ _VARIANTS = {
     "fused128": (dict(FUSE_PROLOGUE=True, maxnreg=128), None),
     "emit2d": (None, dict(EMIT_2D=True)),
     "fused168_emit2d": (dict(FUSE_PROLOGUE=True, maxnreg=168), dict(EMIT_2D=True)),
+    # the select launch's warps (default 8 for 1K-4K-block rows, select_num_warps): a radix
+    # step is a block-wide reduction, fewer warps = fewer partial sums to combine per barrier
+    "sel_w2": (None, dict(num_warps=2)),
+    "sel_w4": (None, dict(num_warps=4)),
+    "sel_w16": (None, dict(num_warps=16)),
 }
 
 

@@ -61,3 +61,25 @@ def test_dsa_bytes_counts_rows_once_per_kv_group():
         rows = (15 + 25 + 35 + 15) * kv * h * 2 * item  # mean over sets, summed over rows
         qo = 2 * b * s * n * h * 2  # bf16 Q read + output written
         assert bench_sparse._dsa_bytes(layer, s, sets) == rows + qo + b * s * m * 4
+
+
+def test_sparse_select_warp_variants_reach_the_select_launch():
+    """bench_sparse's sel_w* layer variants set the select launch's warps (and only inside
+    the variant)."""
+    from longattn.sparse.triton import select as sel_mod
+
+    def warps():
+        scores = torch.rand(1, 2048)
+        seqlens = torch.tensor([2048 * 64 - 1], dtype=torch.int32)
+        *_, args = sel_mod.select_launch_args(
+            scores, seqlens, seq_len=1, num_blocks=2048, compress_ratio=64, token_budget=2048,
+            is_first_prompt=False,
+        )  # fmt: skip
+        return args["num_warps"]
+
+    default = warps()
+    for name in ("sel_w2", "sel_w4", "sel_w16"):
+        dsa, sel = bench_sparse._VARIANTS[name]
+        with bench_sparse._variant(dsa, sel):
+            assert warps() == sel["num_warps"] != default
+    assert warps() == default == 8
