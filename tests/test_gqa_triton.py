@@ -420,10 +420,13 @@ def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.parametrize("fill", [0.5, 0.8])
 def test_int8_split_plan_takes_the_balanced_grid_below_its_fill(fill, device, monkeypatch):
-    """int8 caches, default config: the balanced grid where the split plan's waves are less
-    than INT8_BALANCED_BELOW_FILL full; not with an explicit decode_cfg / num_splits, and
-    never for 16-bit caches on this path."""
+    """int8 caches, default config: the balanced grid where the split plan takes more than one
+    wave and its waves are less than INT8_BALANCED_BELOW_FILL full; not with an explicit
+    decode_cfg / num_splits, and never for 16-bit caches on this path. (One resident slot:
+    the plan's CTAs always span several waves; ``wave_fill`` is forced.)"""
     monkeypatch.setattr(launch, "wave_fill", lambda *a: fill)
+    monkeypatch.setattr(launch, "device_sms", lambda t: 1)
+    monkeypatch.setattr(launch, "resident_ctas", lambda *a: 1)
     grids = _count_calls(monkeypatch, "balanced_grid")
     c = DECODE_CASES["sink-window-softcap-int8"]
     _run_and_check(c, device)
@@ -431,6 +434,16 @@ def test_int8_split_plan_takes_the_balanced_grid_below_its_fill(fill, device, mo
     _run_and_check(dataclasses.replace(c, num_splits=2), device)
     _run_and_check(dataclasses.replace(c, cache=torch.float16), device)
     assert len(grids) == (1 if fill < launch.INT8_BALANCED_BELOW_FILL else 0)
+
+
+@pytest.mark.interpret
+def test_int8_split_plan_within_one_wave_keeps_its_grid(device, monkeypatch):
+    """A split plan that fits one wave (the interpreter's 4 SMs hold its CTAs) keeps the split
+    grid however empty that wave is (not measured)."""
+    monkeypatch.setattr(launch, "wave_fill", lambda *a: 0.1)
+    grids = _count_calls(monkeypatch, "balanced_grid")
+    _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
+    assert grids == []
 
 
 def test_balanced_grid_size():

@@ -477,9 +477,11 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         # B=17 T=32K / 128K 469.6 / 1823.0; 413.3 / 1540.4 (fill 0.69); B=20 / 28 T=32K
         # 472.9 / 654.4; 477.2 / 656.3 (0.81 / 0.85); B=1 / 8 T=128K 104.9 / 734.1; 111.1 /
         # 741.8 (gqa_balanced_int8_ab_h100.json)
-        fill = wave_fill(b * kv * splits, sms * resident)
-        if default_cfg and int8 and not num_splits and fill < INT8_BALANCED_BELOW_FILL:
-            cfg["BALANCED"] = True
+        # (more than one wave only, as measured; a single part-empty wave, e.g. B=3, was not)
+        ctas, slots = b * kv * splits, sms * resident
+        fill = wave_fill(ctas, slots)
+        if default_cfg and int8 and not num_splits and ctas > slots:
+            cfg["BALANCED"] = fill < INT8_BALANCED_BELOW_FILL
     if cfg["BALANCED"]:
         grid = balanced_grid(b * kv, tiles, sms * resident)
         chunk = tiles * cfg["BLOCK_N"]  # (unused)
