@@ -451,6 +451,9 @@ def test_balanced_grid_size():
     assert launch.balanced_grid(pairs=136, tiles=512, programs=132) == (132,)
     assert launch.balanced_grid(pairs=8, tiles=64, programs=132) == (128,)
     assert launch.balanced_grid(pairs=1, tiles=3, programs=132) == (1,)
+    # the int8 plan at KV=8 on 132 SMs, 2 resident CTAs: B=17 / 18 / 20 / 3 / 8 (T=128K)
+    unbalanced = [launch.int8_plan_unbalanced(c, 264) for c in (544, 576, 640, 192, 1024)]
+    assert unbalanced == [True, True, False, False, False]
 
 
 @pytest.mark.interpret

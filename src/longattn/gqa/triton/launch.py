@@ -112,7 +112,18 @@ def choose_num_splits(batch: int, kv_heads: int, span: int, block_n: int, num_sm
 
 
 MIN_PART_TILES = 4  # balanced grid: key tiles per program at least
-INT8_BALANCED_BELOW_FILL = 0.75  # int8 split plans filling their waves less take the balanced grid
+INT8_BALANCED_BELOW_FILL = 0.75  # see int8_plan_unbalanced
+
+
+def int8_plan_unbalanced(ctas: int, slots: int) -> bool:
+    """Whether the int8 split plan's ``ctas`` programs (about 4 waves of ``slots`` resident
+    CTAs) end in a mostly empty wave, so that the default int8 build takes the balanced grid:
+    more than one wave, filled < INT8_BALANCED_BELOW_FILL. H100, same process, us (split plan;
+    balanced grid, one wave): B=17 T=32K / 128K 469.6 / 1823.0; 413.3 / 1540.4 (fill 0.69);
+    B=20 / 28 T=32K 472.9 / 654.4; 477.2 / 656.3 (0.81 / 0.85); B=1 / 8 T=128K (0.97) 104.9 /
+    734.1; 111.1 / 741.8 (``gqa_balanced_int8_ab_h100.json``). A single part-empty wave
+    (e.g. B=3) was not measured and keeps the plan."""
+    return ctas > slots and wave_fill(ctas, slots) < INT8_BALANCED_BELOW_FILL
 
 
 def balanced_grid(pairs: int, tiles: int, programs: int) -> tuple[int]:
@@ -472,16 +483,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         chunk = cdiv(cdiv(span, splits), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         splits = cdiv(span, chunk)
         grid = (kv, b, splits)
-        # int8 (the default build): the split plan's ~4 waves of CTAs can still end in a
-        # mostly empty one; H100, same process, us (split plan; balanced grid, one wave):
-        # B=17 T=32K / 128K 469.6 / 1823.0; 413.3 / 1540.4 (fill 0.69); B=20 / 28 T=32K
-        # 472.9 / 654.4; 477.2 / 656.3 (0.81 / 0.85); B=1 / 8 T=128K 104.9 / 734.1; 111.1 /
-        # 741.8 (gqa_balanced_int8_ab_h100.json)
-        # (more than one wave only, as measured; a single part-empty wave, e.g. B=3, was not)
-        ctas, slots = b * kv * splits, sms * resident
-        fill = wave_fill(ctas, slots)
-        if default_cfg and int8 and not num_splits and ctas > slots:
-            cfg["BALANCED"] = fill < INT8_BALANCED_BELOW_FILL
+        if default_cfg and int8 and not num_splits:
+            cfg["BALANCED"] = int8_plan_unbalanced(b * kv * splits, sms * resident)
     if cfg["BALANCED"]:
         grid = balanced_grid(b * kv, tiles, sms * resident)
         chunk = tiles * cfg["BLOCK_N"]  # (unused)
