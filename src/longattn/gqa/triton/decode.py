@@ -153,88 +153,23 @@ def _split_start(offset, window, lo, HAS_WINDOW: tl.constexpr):
 
 @triton.jit
 def _split_part(
-    b,  # sequence
-    kvh,  # KV head
-    split,  # part index of the (sequence, KV head) pair: its o_part / lse_part slot
-    pieces,  # parts of the pair (FILL_PIECES)
-    lo,  # first key of the part, from the pair's range start
-    q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
-    k_ptr,  # [B, KV, C, HEAD] cache
-    v_ptr,
-    seqlens_ptr,  # [B] int32, total_len - 1
-    max_total,  # T: total lengths are clamped to it (the caches hold >= T rows)
-    bias_ptr,  # [B|1, N|1, S, T]
-    vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
-    qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
-    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
-    lse_part_ptr,  # [B, S, N, splits] fp32
-    xq_ptr,  # FUSE_PROLOGUE: the raw query [B, 1, N*HEAD] (or packed QKV's Q part)
-    xk_ptr,  # FUSE_PROLOGUE: new K [B, 1, KV*HEAD]
-    xv_ptr,  # FUSE_PROLOGUE: new V [B, 1, KV*HEAD]
-    qn_w_ptr,  # [HEAD] (HAS_QNORM)
-    kn_w_ptr,  # [HEAD] (HAS_KNORM)
-    cos_ptr,  # [max_pos, ROT_DIM / 2] (HAS_ROTARY)
-    sin_ptr,
-    pos_ptr,  # [B, 1] int64 position ids (HAS_POS)
-    ks_ptr,  # k_scale fp32 [1] or [KV, 1, HEAD] (K_QUANT)
-    seq_len,
-    cap,  # C: cache rows (FUSE_PROLOGUE: the append's bound, as the prologue's)
-    window,
-    chunk,  # keys of the part (multiple of BLOCK_N)
-    num_splits,
-    stride_qb,
-    stride_qs,
-    stride_qn,
-    stride_kb,
-    stride_kh,
-    stride_kc,
-    stride_vb,
-    stride_vh,
-    stride_vc,
-    stride_bias_b,
-    stride_bias_n,
-    stride_bias_s,
-    stride_bias_t,
-    stride_vs_h,
-    stride_vs_d,
-    stride_xqb,
-    stride_xkb,
-    stride_xvb,
-    stride_pb,
-    stride_cos,
-    stride_sin,
-    stride_ks_h,
-    stride_ks_d,
-    max_pos,
-    eps,
-    qk_scale,
-    softcap_mult,
-    NUM_HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD: tl.constexpr,
-    ROWS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_FIRST_PROMPT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_VSCALE: tl.constexpr,
-    HAS_QSCALE: tl.constexpr,  # Q rows carry a power-of-two scale (qs_ptr): int8 K in fp16
-    DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    PV_DTYPE: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch
-    FUSE_PROLOGUE: tl.constexpr = False,  # S = 1: the prologue's work in this kernel
-    Q_DTYPE: tl.constexpr = tl.bfloat16,  # FUSE_PROLOGUE: == DOT_DTYPE
-    ROT_DIM: tl.constexpr = 0,
-    HAS_ROTARY: tl.constexpr = False,
-    INTERLEAVED: tl.constexpr = False,
-    HAS_POS: tl.constexpr = False,
-    HAS_QNORM: tl.constexpr = False,
-    HAS_KNORM: tl.constexpr = False,
-    K_QUANT: tl.constexpr = False,
+    b, kvh, split, pieces, lo,  # sequence, KV head, part slot, the pair's parts, first key
+    # the kernel's arguments (gqa_decode_split_kernel), chunk = the part's keys:
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, max_total, bias_ptr, vs_ptr, qs_ptr, o_part_ptr,
+    lse_part_ptr, xq_ptr, xk_ptr, xv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, pos_ptr, ks_ptr,
+    seq_len, cap, window, chunk, num_splits, stride_qb, stride_qs, stride_qn, stride_kb, stride_kh,
+    stride_kc, stride_vb, stride_vh, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+    stride_bias_t, stride_vs_h, stride_vs_d, stride_xqb, stride_xkb, stride_xvb, stride_pb,
+    stride_cos, stride_sin, stride_ks_h, stride_ks_d, max_pos, eps, qk_scale, softcap_mult,
+    NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD: tl.constexpr,
+    ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_VSCALE: tl.constexpr, HAS_QSCALE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr, PV_DTYPE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    FUSE_PROLOGUE: tl.constexpr = False, Q_DTYPE: tl.constexpr = tl.bfloat16,
+    ROT_DIM: tl.constexpr = 0, HAS_ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+    HAS_POS: tl.constexpr = False, HAS_QNORM: tl.constexpr = False,
+    HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
