@@ -648,6 +648,11 @@ GPU_CASES = {
         b=28, s=1, lens=tuple(1 + (977 * i) % 3000 for i in range(28)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, sink="head",
     ),
+    "decode-int8-h128-b17-balanced": Case(  # the int8 plan's 4 splits fill 0.69 of 3 waves
+        b=17, s=1, lens=tuple(16385 + (2711 * i) % 16000 for i in range(17)),
+        first_prompt=False, n=32, kv=8, h=128, act=torch.bfloat16, cache=torch.int8,
+        per_channel=True,
+    ),
     "decode-bf16-h128-b24-softcap": Case(  # 9/8-3/2 waves, fill 0.97: 2 stages, 4 splits
         b=24, s=1, lens=tuple(7 + (1237 * i) % 4000 for i in range(24)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, softcap=30.0,
@@ -786,6 +791,16 @@ def test_decode_fused_prologue_gpu(name, device, monkeypatch):
     got = _run_and_check(c, device)
     _assert_within_two_roundings(got, base)
     assert calls == [], "the fused path launched the prologue kernel"
+
+
+@pytest.mark.gpu
+def test_int8_b17_default_takes_the_balanced_grid_gpu(device, monkeypatch):
+    """The default int8 plan at B=17, KV=8 on an H100/H200 (132 SMs) is the balanced grid."""
+    if launch.device_sms(torch.empty(1, device=device)) != 132:
+        pytest.skip("the case is sized for 132 SMs")
+    grids = _count_calls(monkeypatch, "balanced_grid")
+    _run_and_check(GPU_CASES["decode-int8-h128-b17-balanced"], device)
+    assert grids == [1]
 
 
 @pytest.mark.gpu
