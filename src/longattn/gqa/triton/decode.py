@@ -286,7 +286,9 @@ def _split_part(
             j += 1
 
 
-@triton.jit
+# the balanced grid's tile counts vary with every length: no value specialization (a
+# recompile whenever one turns divisible by 16), as for the split grid, which ignores them
+@triton.jit(do_not_specialize=["tiles_per_pair", "total_tiles"])
 def gqa_decode_split_kernel(
     q_ptr,  # [B, S, N, HEAD] rotated Q in the dot dtype
     k_ptr,  # [B, KV, C, HEAD] cache
