@@ -489,22 +489,21 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
         cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
-        if not pair_count_plan(head, dot_dtype, cache_dtype):
-            pass
-        elif split_wave_fill(pairs, num_sms) < BALANCED_BELOW_FILL:
-            # more pairs than SMs, and the split plan's last wave would run part empty: the
-            # BALANCED grid, 3 stages (2 CTAs per SM). H100, same process, us (split plan;
-            # balanced at 4 / 3 stages; cuDNN): B=17 T=32K 865.7; 752.5 / 748.1; 782.2, B=17
-            # T=4K 117.4; 105.8 / 107.6; 100.5, B=20 T=32K (band) 918.6; 880.8 / 874.0; 960.4,
-            # B=28 T=32K 1291.3; 1236.9 / 1223.6; 1257.5. Where the plan fills its waves it
-            # lost or tied: B=1 T=32K 54.0; 61.7 / 56.5, B=8 T=4K 53.9; 59.8 / 59.2, B=32
-            # T=32K 1393.6; 1396.1 / 1389.4 (a program's second part costs a Q setup and a
-            # pipeline fill; gqa_balanced_ab_h100.json)
-            cfg.update(num_stages=3, BALANCED=True)
-        elif four_split_band(pairs, num_sms):
-            # 9/8-3/2 waves of (sequence, KV head) pairs: 2 stages (64 KB, 3 CTAs per SM)
-            # and 4 splits instead of 1.1-1.5 waves of one CTA per SM (four_split_band)
-            cfg["num_stages"] = 2
+        if pair_count_plan(head, dot_dtype, cache_dtype):
+            if split_wave_fill(pairs, num_sms) < BALANCED_BELOW_FILL:
+                # more pairs than SMs, and the split plan's last wave would run part empty: the
+                # BALANCED grid, 3 stages (2 CTAs per SM). H100, same process, us (split plan;
+                # balanced at 4 / 3 stages; cuDNN): B=17 T=32K 865.7; 752.5 / 748.1; 782.2, B=17
+                # T=4K 117.4; 105.8 / 107.6; 100.5, B=20 T=32K (band) 918.6; 880.8 / 874.0; 960.4,
+                # B=28 T=32K 1291.3; 1236.9 / 1223.6; 1257.5. Where the plan fills its waves it
+                # lost or tied: B=1 T=32K 54.0; 61.7 / 56.5, B=8 T=4K 53.9; 59.8 / 59.2, B=32
+                # T=32K 1393.6; 1396.1 / 1389.4 (a program's second part costs a Q setup and a
+                # pipeline fill; gqa_balanced_ab_h100.json)
+                cfg.update(num_stages=3, BALANCED=True)
+            elif four_split_band(pairs, num_sms):
+                # 9/8-3/2 waves of (sequence, KV head) pairs: 2 stages (64 KB, 3 CTAs per SM)
+                # and 4 splits instead of 1.1-1.5 waves of one CTA per SM (four_split_band)
+                cfg["num_stages"] = 2
     # S = 1: the split kernel does the prologue's work (``_triton_prologue.fuse_prologue``).
     # H=128 same-process A/Bs on an H100 (sessions 21 and 23, ab_decode_options2_h100.json,
     # interleaved twice): never slower beyond 1%, chained graphs 1.00-1.05x (bf16 B=1 T=4K
