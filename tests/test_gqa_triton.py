@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -444,6 +445,28 @@ def test_int8_split_plan_within_one_wave_keeps_its_grid(device, monkeypatch):
     grids = _count_calls(monkeypatch, "balanced_grid")
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
     assert grids == []
+
+
+@pytest.mark.interpret
+def test_balanced_flag_must_be_a_bool(device):
+    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["ragged-splits4-group4"], device)
+    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), BALANCED=1)
+    with pytest.raises(ValueError, match=r"cfg\['BALANCED'\] must be a bool, got 1"):
+        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
+
+
+def test_balanced_tile_counts_are_not_value_specialized():
+    """The compiled kernel (not the interpreter's) leaves tiles_per_pair / total_tiles
+    unspecialized: they change with every length, a specialization would recompile."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from longattn.gqa.triton.decode import gqa_decode_split_kernel as k; "
+            "print(sorted(p.name for p in k.params if p.do_not_specialize))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.strip() == "['tiles_per_pair', 'total_tiles']"
 
 
 def test_balanced_grid_size():

@@ -475,6 +475,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
     tiles = cdiv(span, cfg["BLOCK_N"])  # key tiles of each (sequence, KV head) pair
+    if not isinstance(cfg.get("BALANCED", False), bool):
+        raise ValueError(f"cfg['BALANCED'] must be a bool, got {cfg['BALANCED']!r}")
     if num_splits or not cfg.get("BALANCED"):  # the split grid
         cfg["BALANCED"] = False
         splits = num_splits or choose_num_splits(
