@@ -270,14 +270,19 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _variant(dsa=None, select=None):
+def _variant(dsa=None, select=None, merge_early_o=None):
     """The DSA tier's default config plus ``dsa`` keys, the select kernel's defaults plus
-    ``select`` keys (options not yet a default)."""
+    ``select`` keys, the merge's ``MERGE_EARLY_O`` (None: unchanged) (options not yet a
+    default)."""
+    from longattn import _triton_merge
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
 
     orig_cfg, orig_sel = dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS
     orig_warps = sel_mod.select_num_warps
+    orig_merge = _triton_merge.MERGE_EARLY_O
+    if merge_early_o is not None:
+        _triton_merge.MERGE_EARLY_O = merge_early_o
     select = dict(select or {})
     warps = select.pop("num_warps", None)  # the select launch's warps (select_num_warps)
     dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
@@ -289,6 +294,7 @@ def _variant(dsa=None, select=None):
     finally:
         dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
         sel_mod.select_num_warps = orig_warps
+        _triton_merge.MERGE_EARLY_O = orig_merge
 
 
 # A/B variants of the layer section (options off by default until measured):
@@ -310,6 +316,15 @@ _VARIANTS = {
     "sel_w2": (None, dict(num_warps=2)),
     "sel_w4": (None, dict(num_warps=4)),
     "sel_w16": (None, dict(num_warps=16)),
+    # one dependent L2 round trip less per launch: the select's score loads do not wait for
+    # seqlens (EARLY_SCORES), the DSA split's index loads not for selected_counts (EARLY_CNT),
+    # the merge's o_part loads not for the lse row (MERGE_EARLY_O); "early" = all three,
+    # "again" re-times the defaults (noise)
+    "early_scores": (None, dict(EARLY_SCORES=True)),
+    "early_cnt": (dict(EARLY_CNT=True), None),
+    "early_o": (None, None, True),
+    "early": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True),
+    "again": (None, None),
 }
 
 
@@ -350,19 +365,19 @@ def layer_section(rows, layers, copy_tbs, chains, grid):
                 c_dsa = _chain_us(_dsa_sel, chain, s, t, BUDGET)
                 c_dense = _chain_us(_dense_x, chain, s, t, BUDGET)
                 variants = {}
-                for name, (dsa, sel) in _VARIANTS.items():
+                for name, (dsa, sel, *merge) in _VARIANTS.items():
                     if grid["variants"] is not None and name not in grid["variants"]:
                         continue
                     if s != 1 and dsa and dsa.get("FUSE_PROLOGUE"):  # S = 1 only
                         continue
-                    with _variant(dsa, sel):
+                    with _variant(dsa, sel, *merge):
                         variants[f"chain_layer_{name}_us"] = round(
                             _chain_us(_layer_step_b, chain, s, t, BUDGET), 2
                         )
                         variants[f"chain_layer_op_{name}_us"] = round(
                             _chain_us(_fused_step_b, chain, s, t, BUDGET), 2
                         )
-                        if dsa:
+                        if dsa or merge:
                             variants[f"chain_dsa_{name}_us"] = round(
                                 _chain_us(_dsa_sel, chain, s, t, BUDGET), 2
                             )

@@ -83,3 +83,23 @@ def test_sparse_select_warp_variants_reach_the_select_launch():
         with bench_sparse._variant(dsa, sel):
             assert warps() == sel["num_warps"] != default
     assert warps() == default == 8
+
+
+def test_layer_early_variants_reach_the_launches():
+    """The "early" variant sets the three flags it names and restores them afterwards."""
+    from longattn import _triton_merge
+    from longattn.sparse.triton import decode as dsa_decode
+    from longattn.sparse.triton import select as sel_mod
+
+    def flags():
+        return (
+            dsa_decode.decode_config(256, torch.bfloat16, torch.bfloat16, False).get("EARLY_CNT"),
+            sel_mod.select_config(None, 2048, False)["EARLY_SCORES"],
+            _triton_merge.MERGE_EARLY_O,
+        )
+
+    before = flags()
+    assert before == (None, False, False)
+    with bench_sparse._variant(*bench_sparse._VARIANTS["early"]):
+        assert flags() == (True, True, True)
+    assert flags() == before

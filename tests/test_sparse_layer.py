@@ -14,9 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longattn import dynamic_sparse_attention, sparse_attention_indexer, sparse_attention_layer
+from longattn import (
+    _triton_merge,
+    dynamic_sparse_attention,
+    sparse_attention_indexer,
+    sparse_attention_layer,
+)
 from longattn._rotary import rope_cache
-from longattn.sparse.triton import decode, indexer
+from longattn.sparse.triton import decode, indexer, select
 from longattn.sparse.triton import layer as layer_mod
 from longattn.testing import nan_tensor
 
@@ -167,6 +172,21 @@ def test_layer_equals_two_ops(case, backend):
 
 
 @interpret
+@pytest.mark.parametrize("case", ["decode_b3_positions", "first_prompt_padding", "radix_select"])
+def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
+    """The select's EARLY_SCORES, the split's EARLY_CNT and the merge's EARLY_O (the A/B
+    variant "early" of bench_sparse) in the layer's launches: the two ops' outputs (defaults)."""
+    kw = make_layer_case(1, **CASES[case])
+    want = two_ops(kw, "triton")
+    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
+    cfg = decode.decode_config
+    monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
+    monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
+    _same(layer(kw, "triton"), want)
+
+
+@interpret
 def test_triton_layer_runs_the_prologue_in_the_select_launch(monkeypatch):
     """Eligible inputs: one select + prologue launch, no separate prologue launch; the split
     kernel reads the co-launched prologue's Q (a DSA prologue call would raise here)."""
@@ -294,3 +314,18 @@ def test_gpu_layer_matches_two_ops(case):
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     _same(layer(kw, "triton"), two_ops(kw, "triton"), exact=False)
+
+
+@gpu
+@pytest.mark.parametrize("case", [dict(b=2, s=8), dict(b=1, s=1, total=131072)])
+def test_gpu_layer_early_loads_match_two_ops(case, monkeypatch):
+    """The "early" A/B variant (EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O) at real shapes."""
+    kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
+                                        di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
+    want = two_ops(kw, "triton")
+    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
+    cfg = decode.decode_config
+    monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
+    monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
+    _same(layer(kw, "triton"), want, exact=False)

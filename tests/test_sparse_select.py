@@ -161,8 +161,28 @@ def test_select_emit_ratio():
 
 
 @interpret
-def test_select_never_reads_invisible_scores(method):
-    """Invisible blocks' scores (NaN here, -inf from the score kernel) do not matter."""
+@pytest.mark.parametrize("kind", ["ties", "rand"])
+@pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
+def test_select_early_scores_equals_reference_rule(b, s, r, budget, seqlens, first, kind,
+                                                   method, monkeypatch):  # fmt: skip
+    """``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the invisible
+    ones masked after the load): the reference rule's outputs."""
+    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
+    gen = torch.Generator().manual_seed(len(seqlens) * 23 + s * 3 + r + budget)
+    nb = max(seqlens) // r + 2
+    scores = _scores(gen, b * s, nb, kind)
+    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
+    check_select(scores, sk, s=s, r=r, budget=budget, first=first)
+
+
+@interpret
+@pytest.mark.parametrize("early", [False, True])
+def test_select_never_reads_invisible_scores(method, early, monkeypatch):
+    """Invisible blocks' scores (NaN here, -inf from the score kernel) do not matter, also
+    when loaded (``EARLY_SCORES``)."""
+    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=early)
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
     gen = torch.Generator().manual_seed(5)
     r, budget, sk = 4, 16, torch.tensor([21, 10, 2], dtype=torch.int32, device=DEV)
     scores = _scores(gen, 3, 9, "ties")

@@ -19,6 +19,7 @@ import pytest
 import torch
 import triton
 
+from longattn import _triton_merge
 from longattn._attention_torch import (
     contiguous_positions,
     from_cache,
@@ -463,6 +464,22 @@ def test_dsa_split_counts_agree(num_splits):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
 
 
+@interpret
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("mode", ["selected_only", "local_plus_selected"])
+def test_dsa_early_cnt_ignores_entries_past_the_count(mode, num_splits):
+    """``EARLY_CNT`` (the split's index loads cover every slot, not waiting for
+    ``selected_counts``; candidates past the count masked): entries past the count hold a
+    valid position (0) here and must still not count. fp16 vs the fp64 reference."""
+    kw = build(21, mode=mode, h=32, m=30, s=2)
+    sel, cnt = kw["selected_indices"], kw["selected_counts"]
+    past = torch.arange(sel.shape[1], device=sel.device)[None, :] >= cnt[:, None].long()
+    assert past.any() and (~past).any()
+    kw["selected_indices"] = torch.where(past, torch.zeros_like(sel), sel)
+    got, _ = _run_with_splits(kw, num_splits, EARLY_CNT=True)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa EARLY_CNT")
+
+
 @pytest.mark.parametrize(
     "rows,window,max_sel,block_n,sm_programs",
     [(1, 0, 8255, 32, 2), (8, 0, 8255, 32, 2), (4, 0, 2111, 16, 3), (1, 128, 2111, 32, 2),
@@ -486,22 +503,25 @@ def test_plan_splits_wave_cap(rows, window, max_sel, block_n, sm_programs):
 
 
 @interpret
+@pytest.mark.parametrize("early_o", [False, True])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize(
     "splits,head,block_d", [(5, 64, 16), (37, 80, 32), (3, 32, 32), (130, 256, None)]
 )
-def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
+def test_merge_splits_kernel_tiles(splits, head, block_d, sink, early_o, monkeypatch):
     """The shared GQA/DSA merge over channel tiles (BLOCK_D < HEAD, a padded last tile; None:
     the host launcher's own tile, 256-split rows) equals a float64 log-sum-exp merge; an
-    all-empty row gives zeros (or zeros with a sink)."""
+    all-empty row gives zeros (or zeros with a sink). Empty slots' o_part is NaN (a split
+    kernel may leave it unwritten): never used, also when loaded (``EARLY_O``)."""
+    monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", early_o)
     g = torch.Generator().manual_seed(splits)
     rn, n = 6, 3
     o_part = torch.randn(rn, splits, head, generator=g, dtype=torch.float64)
     lse = 4 * torch.randn(rn, splits, generator=g, dtype=torch.float64)
     lse[1, ::2] = -math.inf  # empty splits
-    o_part[1, ::2] = 0.0
+    o_part[1, ::2] = math.nan
     lse[4] = -math.inf  # nothing valid in the row
-    o_part[4] = 0.0
+    o_part[4] = math.nan
     sink_v = torch.randn(n, generator=g, dtype=torch.float64)
     out = nan_tensor((rn, head), torch.float32, DEV)
     o_dev, lse_dev = o_part.float().to(DEV), lse.float().to(DEV)
@@ -513,14 +533,14 @@ def test_merge_splits_kernel_tiles(splits, head, block_d, sink):
         merge_splits_kernel[(rn, triton.cdiv(head, block_d))](
             o_part_ptr=o_dev, lse_part_ptr=lse_dev, sink_ptr=sink_v.float().to(DEV), o_ptr=out,
             num_splits=splits, NUM_HEADS=n, HEAD=head, SPLITS_PAD=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, HAS_SINK=sink, SINK_FROM_PTR=sink, PDL=False,
+            BLOCK_D=block_d, HAS_SINK=sink, SINK_FROM_PTR=sink, PDL=False, EARLY_O=early_o,
         )  # fmt: skip
     logits = lse * math.log(2.0)
     if sink:
         sink_col = sink_v[torch.arange(rn) % n][:, None]
         logits = torch.cat([logits, sink_col], dim=1)
     w = torch.softmax(logits, dim=1)[:, :splits].nan_to_num(0.0)
-    want = (w[:, :, None] * o_part).sum(1)
+    want = (w[:, :, None] * o_part.nan_to_num(0.0)).sum(1)
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[4].cpu(), torch.zeros(head))
 

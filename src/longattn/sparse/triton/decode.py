@@ -76,12 +76,16 @@ _empty = torch.empty  # every buffer of this tier is allocated here (tests poiso
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
-    j_start, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
+    j_start, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
     IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
+
+    The tiles cover ``j_start .. j_load_end-1`` (``>= j_end``; the index entries there are
+    read, the candidates past ``j_end`` masked): a bound the host knows lets the index loads
+    go out without waiting for ``selected_counts`` (``EARLY_CNT``).
 
     Window segment: candidate c is main row ``lo + c``. Selected segment: candidate j is
     ``idx_ptr[j * stride_idx]``; ``limit`` is C (main) or A (auxiliary). ``SUBST`` (fused
@@ -91,19 +95,19 @@ def _attend_tiles(
     """
     if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
-        while j0 < j_end:
+        while j0 < j_load_end:
             acc, m_i, l_i, n_new = _attend_tile(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
-                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
                 BLOCK_N, SUBST,
             )  # fmt: skip
             j0 += BLOCK_N
     else:
-        for j0 in range(j_start, j_end, BLOCK_N):
+        for j0 in range(j_start, j_load_end, BLOCK_N):
             acc, m_i, l_i, n_new = _attend_tile(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
-                stride_vc, j0, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+                stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
                 BLOCK_N, SUBST,
             )  # fmt: skip
@@ -113,7 +117,7 @@ def _attend_tiles(
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
-    j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
@@ -123,7 +127,8 @@ def _attend_tile(
         pos = lo + offs_j.to(tl.int64)  # [BLOCK_N] main rows
         ok = in_range & (pos >= 0) & (pos < limit) & row_real
     else:
-        pos = tl.load(idx_ptr + offs_j.to(tl.int64) * stride_idx, mask=in_range, other=-1)
+        pos = tl.load(idx_ptr + offs_j.to(tl.int64) * stride_idx, mask=offs_j < j_load_end,
+                      other=-1)  # fmt: skip
         pos = pos.to(tl.int64)  # [BLOCK_N]
         ok = in_range & (pos >= 0) & (pos < limit) & row_real
         if SEL_MAIN:
@@ -245,6 +250,7 @@ def dsa_split_kernel(
     HAS_KNORM: tl.constexpr = False,
     K_QUANT: tl.constexpr = False,
     HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
+    EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -308,13 +314,18 @@ def dsa_split_kernel(
         w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
-            w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
+            w1, w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
             FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
-    j1 = tl.minimum(tl.minimum(j0 + chunk, max_sel), cnt)
-    j0 = tl.where(split < win_splits, j1, j0)  # window splits: empty selected range
+    j_stop = tl.minimum(j0 + chunk, max_sel)  # the split's slots (host-known bounds)
+    j1 = tl.minimum(j_stop, cnt)  # its valid entries
+    j0 = tl.where(split < win_splits, j_stop, j0)  # window splits: empty selected range
+    if EARLY_CNT:  # tiles over every slot, index loads beside the count load
+        j_load = j_stop
+    else:  # tiles up to the count (slots past it are not read)
+        j_load = tl.maximum(j1, j0)
     idx_row = sel_ptr + row * stride_sel_r
     if SEL_AUX:
         from_main = split < win_splits
@@ -326,14 +337,14 @@ def dsa_split_kernel(
             qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
-            stride_vac, j0, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
+            stride_vac, j0, j_load, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
             False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
             BLOCK_N, False, INTERPRET,
         )  # fmt: skip
     else:
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
-            stride_vcc, j0, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
+            stride_vcc, j0, j_load, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
             False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
             BLOCK_N, FUSE_PROLOGUE, INTERPRET,
         )  # fmt: skip

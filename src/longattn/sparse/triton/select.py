@@ -228,6 +228,7 @@ def select_row(
     IDS_IN_REGS: tl.constexpr,  # radix: emission gathers the ids from registers (else scratch)
     IS_FIRST_PROMPT: tl.constexpr,
     EMIT_R: tl.constexpr,  # > 0: compress_ratio (a power of two), 2-D emission (EMIT_2D)
+    EARLY_SCORES: tl.constexpr = False,  # score loads independent of seqlens (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring)."""
     b = row // seq_len
@@ -247,7 +248,11 @@ def select_row(
     # --- select: the k best visible blocks, ties to the lower index, in ascending block order
     offs_c = tl.arange(0, NB_PAD)  # [NB_PAD] block ids
     visible = (offs_c < n_complete) & (k > 0)
-    score = tl.load(score_ptr + row * stride_sr + offs_c, mask=visible, other=0.0)  # [NB_PAD]
+    if EARLY_SCORES:  # the whole row (kb = 0: none), not waiting for seqlens; masked below
+        ld_mask = (offs_c < num_blocks) & (kb > 0)
+    else:
+        ld_mask = visible
+    score = tl.load(score_ptr + row * stride_sr + offs_c, mask=ld_mask, other=0.0)  # [NB_PAD]
     v = _order_keys(score, visible)  # [NB_PAD] int32
     scratch_row = scratch_ptr + row * scratch_stride
     if TOPK:
@@ -305,14 +310,14 @@ def indexer_select_kernel(
     NB_PAD: tl.constexpr, KB_PAD: tl.constexpr, BLOCK_O: tl.constexpr, TOPK: tl.constexpr,
     RADIX_BITS: tl.constexpr, IDS_IN_REGS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    EMIT_R: tl.constexpr = 0,
+    EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     select_row(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
-        KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R,
+        KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
     )  # fmt: skip
 
 
@@ -320,7 +325,7 @@ def indexer_select_kernel(
 # 3 and 4 at every shape (H200, ``tune_select_h200.json``); EMIT_2D with 1024-wide tail tiles
 # beat the 1-D emission at all 6 shapes (H100 session 21: B=1 S=1 T=128K 5.62 -> 5.29 us, 256K
 # 7.64 (4096-wide 1-D) -> 7.53; ``tune_select_emit2d_h100.json``)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True)
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=False)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
@@ -336,7 +341,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     if "BLOCK_O" not in out:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
-    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D"}
+    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES"}
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -344,8 +349,9 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     bo = out["BLOCK_O"]
     if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
-    if not isinstance(out.get("EMIT_2D", False), bool):
-        raise ValueError(f"select cfg['EMIT_2D'] must be a bool, got {out['EMIT_2D']!r}")
+    for flag in ("EMIT_2D", "EARLY_SCORES"):
+        if not isinstance(out.get(flag, False), bool):
+            raise ValueError(f"select cfg[{flag!r}] must be a bool, got {out[flag]!r}")
     return out
 
 
