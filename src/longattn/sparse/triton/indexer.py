@@ -82,6 +82,8 @@ def indexer_score_kernel(
     pid_b = tl.program_id(0)
     s0 = tl.program_id(1) * S_TILE
     b = tl.program_id(2).to(tl.int64)
+    # issued before the dots (not after them: one dependent round trip less at the end)
+    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
     offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
     mask_c = offs_c < num_blocks
     k_rows = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn  # [BLOCK_B, 1]
@@ -121,7 +123,6 @@ def indexer_score_kernel(
     if DOT_PREC == "split3":
         acc += acc_lo  # [BLOCK_S, BLOCK_B]
 
-    total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
     srow = s0 + offs_s  # [BLOCK_S] new-token index
     if IS_FIRST_PROMPT:
         qpos = srow.to(tl.int64)
