@@ -270,19 +270,21 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _variant(dsa=None, select=None, merge_early_o=None):
+def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
     """The DSA tier's default config plus ``dsa`` keys, the select kernel's defaults plus
-    ``select`` keys, the merge's ``MERGE_EARLY_O`` (None: unchanged) (options not yet a
-    default)."""
-    from longattn import _triton_merge
+    ``select`` keys, the merge's ``MERGE_EARLY_O`` and ``_triton_utils.PDL_EARLY_TRIGGER``
+    (None: unchanged) (options not yet a default)."""
+    from longattn import _triton_merge, _triton_utils
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
 
     orig_cfg, orig_sel = dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS
     orig_warps = sel_mod.select_num_warps
-    orig_merge = _triton_merge.MERGE_EARLY_O
+    orig_merge, orig_trigger = _triton_merge.MERGE_EARLY_O, _triton_utils.PDL_EARLY_TRIGGER
     if merge_early_o is not None:
         _triton_merge.MERGE_EARLY_O = merge_early_o
+    if trigger is not None:
+        _triton_utils.PDL_EARLY_TRIGGER = trigger
     select = dict(select or {})
     warps = select.pop("num_warps", None)  # the select launch's warps (select_num_warps)
     dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
@@ -295,6 +297,7 @@ def _variant(dsa=None, select=None, merge_early_o=None):
         dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
         sel_mod.select_num_warps = orig_warps
         _triton_merge.MERGE_EARLY_O = orig_merge
+        _triton_utils.PDL_EARLY_TRIGGER = orig_trigger
 
 
 # A/B variants of the layer section (options off by default until measured):
@@ -324,6 +327,10 @@ _VARIANTS = {
     "early_cnt": (dict(EARLY_CNT=True), None),
     "early_o": (None, None, True),
     "early": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True),
+    # the score and select launches release the next grid's launch right after their own wait
+    # (PDL_EARLY_TRIGGER); "early_trigger": that and "early"
+    "trigger": (None, None, None, True),
+    "early_trigger": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True, True),
     "again": (None, None),
 }
 
@@ -377,7 +384,7 @@ def layer_section(rows, layers, copy_tbs, chains, grid):
                         variants[f"chain_layer_op_{name}_us"] = round(
                             _chain_us(_fused_step_b, chain, s, t, BUDGET), 2
                         )
-                        if dsa or merge:
+                        if dsa or any(m is not None for m in merge):
                             variants[f"chain_dsa_{name}_us"] = round(
                                 _chain_us(_dsa_sel, chain, s, t, BUDGET), 2
                             )

@@ -87,7 +87,7 @@ def test_sparse_select_warp_variants_reach_the_select_launch():
 
 def test_layer_early_variants_reach_the_launches():
     """The "early" variant sets the three flags it names and restores them afterwards."""
-    from longattn import _triton_merge
+    from longattn import _triton_merge, _triton_utils
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
 
@@ -103,3 +103,10 @@ def test_layer_early_variants_reach_the_launches():
     with bench_sparse._variant(*bench_sparse._VARIANTS["early"]):
         assert flags() == (True, True, True)
     assert flags() == before
+    with bench_sparse._variant(*bench_sparse._VARIANTS["trigger"]):
+        assert flags() == before and _triton_utils.PDL_EARLY_TRIGGER
+        # (kernels take TRIGGER only where PDL is on: never on the CPU)
+        assert _triton_utils.pdl_kwargs(torch.zeros(1), trigger=True) == dict(
+            PDL=False, TRIGGER=False
+        )
+    assert not _triton_utils.PDL_EARLY_TRIGGER

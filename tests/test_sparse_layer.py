@@ -16,6 +16,7 @@ import torch
 
 from longattn import (
     _triton_merge,
+    _triton_utils,
     dynamic_sparse_attention,
     sparse_attention_indexer,
     sparse_attention_layer,
@@ -319,7 +320,8 @@ def test_gpu_layer_matches_two_ops(case):
 @gpu
 @pytest.mark.parametrize("case", [dict(b=2, s=8), dict(b=1, s=1, total=131072)])
 def test_gpu_layer_early_loads_match_two_ops(case, monkeypatch):
-    """The "early" A/B variant (EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O) at real shapes."""
+    """The "early_trigger" A/B variant (EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and the score /
+    select launches releasing the next grid early) at real shapes."""
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     want = two_ops(kw, "triton")
@@ -328,4 +330,7 @@ def test_gpu_layer_early_loads_match_two_ops(case, monkeypatch):
     cfg = decode.decode_config
     monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
     monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
+    monkeypatch.setattr(_triton_utils, "PDL_EARLY_TRIGGER", True)  # (the "early_trigger" one)
     _same(layer(kw, "triton"), want, exact=False)
+    # the two ops with early triggers: the same step (graph replays of it in bench_sparse)
+    _same(two_ops(kw, "triton"), want, exact=False)

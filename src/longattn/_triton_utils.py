@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._cascade import _truthy, cuda_capability, interpreter_active
 
@@ -108,19 +108,30 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict:
+# Small single-wave kernels of the sparse decode chain (block scores, select) may let the next
+# PDL-launched grid start launching as soon as they pass their own wait (``release_dependents``),
+# so its launch overlaps their run instead of their tail. Off until measured (bench_sparse A/B
+# variant "trigger"); read per launch.
+PDL_EARLY_TRIGGER = False
+
+
+def pdl_kwargs(t: torch.Tensor, trigger: bool = False) -> dict:
     """Launch keywords of a decode-chain kernel that takes a ``PDL: tl.constexpr`` flag.
 
     Where ``pdl_enabled(t.device)``, the kernel is launched with programmatic dependent launch
     (``launch_pdl``): the GPU may start launching it while the previous kernel of the stream
     drains, and the kernel's first statement (``wait_prior_grids``) blocks until that kernel
-    has completed and its memory is visible. No kernel triggers its dependents early, so every
-    kernel still starts its loads after all earlier work of the stream; only the launch latency
-    overlaps the previous kernel's tail (H200, a CUDA graph of 16 dependent 132-CTA kernels:
-    1.61 -> 1.16 us per kernel)."""
+    has completed and its memory is visible. Every kernel still starts its loads after all
+    earlier work of the stream; only the launch latency overlaps the previous kernel's tail
+    (H200, a CUDA graph of 16 dependent 132-CTA kernels: 1.61 -> 1.16 us per kernel), or its
+    whole run where that kernel releases its dependents early (``release_dependents``).
+
+    ``trigger`` (kernels with a ``TRIGGER`` constexpr): also ``TRIGGER`` = PDL on and
+    ``PDL_EARLY_TRIGGER``, for ``release_dependents``."""
     if pdl_enabled(t.device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        kw = {"PDL": True, "launch_pdl": True}
+        return dict(kw, TRIGGER=PDL_EARLY_TRIGGER) if trigger else kw
+    return {"PDL": False, "TRIGGER": False} if trigger else {"PDL": False}
 
 
 @triton.jit
@@ -128,6 +139,16 @@ def wait_prior_grids(PDL: tl.constexpr):
     """First statement of a kernel launched with ``pdl_kwargs``: wait for the previous grid."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release_dependents(TRIGGER: tl.constexpr):
+    """Right after ``wait_prior_grids``: the next PDL-launched grid may start launching now;
+    its own ``wait_prior_grids`` still blocks until this grid has completed and its memory is
+    visible, so only the launch overlaps this grid's run (its programs take SM slots while
+    they wait: for grids that leave SMs free)."""
+    if TRIGGER:
+        gdc_launch_dependents()
 
 
 _INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at import (int8x4_to_fp16)

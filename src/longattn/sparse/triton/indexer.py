@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cdiv, device_sms, next_pow2, pdl_kwargs, wait_prior_grids
+from ..._triton_utils import (
+    cdiv,
+    device_sms,
+    next_pow2,
+    pdl_kwargs,
+    release_dependents,
+    wait_prior_grids,
+)
 from ..._triton_utils import interpret as _interpret
 from .._shared import emit_selection, indexer_rows
 from .select import MAX_BLOCKS, indexer_select
@@ -77,8 +84,10 @@ def indexer_score_kernel(
     OUT_KEYS: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     DOT_PREC: tl.constexpr = "ieee",  # both dots: "ieee" (fp32 FMA), "bf16x6" or "split3" (MMA)
+    TRIGGER: tl.constexpr = False,  # the next grid may launch once this one runs
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    release_dependents(TRIGGER)
     pid_b = tl.program_id(0)
     s0 = tl.program_id(1) * S_TILE
     b = tl.program_id(2).to(tl.int64)
@@ -224,7 +233,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         cfg["DOT_PREC"] = "bf16x6"  # split3 takes the query as exact bf16 values
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     indexer_score_kernel[grid](
-        **pdl_kwargs(index_query),
+        **pdl_kwargs(index_query, trigger=True),
         q_ptr=index_query,
         k_ptr=index_block_keys,
         seqlens_ptr=seqlens_k,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..._triton_utils import interpret as _interpret
-from ..._triton_utils import pdl_kwargs, wait_prior_grids
+from ..._triton_utils import pdl_kwargs, release_dependents, wait_prior_grids
 from ...gqa.triton.launch import prologue_launch_args
 from ...gqa.triton.prologue import prologue_program
 from .._params import DSAParams
@@ -54,10 +54,12 @@ def select_prologue_kernel(
     V_QUANT: tl.constexpr, Q_POW2: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EARLY_SCORES: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,  # the split grid may launch once this one runs
 ):  # fmt: skip
     """Grid ``(rows + B * S * head blocks,)``: ``select_row`` for each query row, then the
     prologue programs (token-major, ``cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H)`` per token)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    release_dependents(TRIGGER)
     pid = tl.program_id(0)
     if pid < rows:
         select_row(
@@ -136,7 +138,7 @@ def sparse_layer_triton(
         for name in ("seqlens_ptr", "seq_len", "IS_FIRST_PROMPT"):  # both hold the same
             del pro_args[name]
         select_prologue_kernel[(rows + grid[0] * grid[1],)](
-            **pdl_kwargs(query), **sel_args, **pro_args, rows=rows
+            **pdl_kwargs(query, trigger=True), **sel_args, **pro_args, rows=rows
         )
     out = dsa_triton(query, key, value, present_key, present_value, None, None, sel, cnt,
                      seqlens_k, p, prepared=(q_rot, q_scale))  # fmt: skip

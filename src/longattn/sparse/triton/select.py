@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2, pdl_kwargs, wait_prior_grids
+from ..._triton_utils import next_pow2, pdl_kwargs, release_dependents, wait_prior_grids
 
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 TOPK_MAX_BLOCKS = 1024  # rows up to this NB_PAD take the tl.topk method (see step 3)
@@ -310,10 +310,11 @@ def indexer_select_kernel(
     NB_PAD: tl.constexpr, KB_PAD: tl.constexpr, BLOCK_O: tl.constexpr, TOPK: tl.constexpr,
     RADIX_BITS: tl.constexpr, IDS_IN_REGS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
-    EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False,
+    EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
+    release_dependents(TRIGGER)
     select_row(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
@@ -381,7 +382,7 @@ def indexer_select(
     ``select_launch_args``."""
     idx, cnt, args = select_launch_args(scores, seqlens_k, **kw)
     if idx.shape[0]:
-        indexer_select_kernel[(idx.shape[0],)](**pdl_kwargs(seqlens_k), **args)
+        indexer_select_kernel[(idx.shape[0],)](**pdl_kwargs(seqlens_k, trigger=True), **args)
     return idx, cnt
 
 
