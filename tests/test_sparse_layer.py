@@ -175,16 +175,23 @@ def test_layer_equals_two_ops(case, backend):
 @interpret
 @pytest.mark.parametrize("case", ["decode_b3_positions", "first_prompt_padding", "radix_select"])
 def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
-    """The select's EARLY_SCORES, the split's EARLY_CNT and the merge's EARLY_O (the A/B
-    variant "early" of bench_sparse) in the layer's launches: the two ops' outputs (defaults)."""
+    """The select's EARLY_SCORES, the split's EARLY_CNT and the merge's EARLY_O
+    (``_early_options``) in the layer's launches: the two ops' outputs (defaults)."""
     kw = make_layer_case(1, **CASES[case])
     want = two_ops(kw, "triton")
+    _early_options(monkeypatch)
+    _same(layer(kw, "triton"), want)
+
+
+def _early_options(monkeypatch):
+    """bench_sparse's "early_trigger" A/B variant: EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and
+    PDL_EARLY_TRIGGER (the last one only where PDL is on: the GPU)."""
     over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
     cfg = decode.decode_config
     monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
     monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
-    _same(layer(kw, "triton"), want)
+    monkeypatch.setattr(_triton_utils, "PDL_EARLY_TRIGGER", True)
 
 
 @interpret
@@ -325,12 +332,7 @@ def test_gpu_layer_early_loads_match_two_ops(case, monkeypatch):
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     want = two_ops(kw, "triton")
-    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
-    cfg = decode.decode_config
-    monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
-    monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
-    monkeypatch.setattr(_triton_utils, "PDL_EARLY_TRIGGER", True)  # (the "early_trigger" one)
+    _early_options(monkeypatch)
     _same(layer(kw, "triton"), want, exact=False)
     # the two ops with early triggers: the same step (graph replays of it in bench_sparse)
     _same(two_ops(kw, "triton"), want, exact=False)

@@ -125,7 +125,11 @@ _SELECT_GRID = [
 )
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
 def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind, method):
-    gen = torch.Generator().manual_seed(len(seqlens) * 31 + s * 7 + r + budget)
+    _check_grid_case(31, 7, b, s, r, budget, seqlens, first, kind)
+
+
+def _check_grid_case(seed_a, seed_b, b, s, r, budget, seqlens, first, kind):
+    gen = torch.Generator().manual_seed(len(seqlens) * seed_a + s * seed_b + r + budget)
     nb = max(seqlens) // r + 2
     scores = _scores(gen, b * s, nb, kind)
     sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
@@ -133,20 +137,21 @@ def test_select_equals_reference_rule(b, s, r, budget, seqlens, first, kind, met
 
 
 @interpret
-@pytest.mark.parametrize("emit", [dict(EMIT_2D=True), dict(EMIT_2D=True, BLOCK_O=4096)])
+@pytest.mark.parametrize(
+    "options",
+    [dict(EMIT_2D=True), dict(EMIT_2D=True, BLOCK_O=4096), dict(EMIT_2D=False, EARLY_SCORES=True)],
+)
 @pytest.mark.parametrize("kind", ["ties", "rand"])
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
-def test_select_2d_emission_equals_reference_rule(b, s, r, budget, seqlens, first, kind, emit,
-                                                  method, monkeypatch):  # fmt: skip
+def test_select_options_equal_reference_rule(b, s, r, budget, seqlens, first, kind, options,
+                                             method, monkeypatch):  # fmt: skip
     """``EMIT_2D`` (the chosen blocks' positions as one ``[KB_PAD, r]`` tile, then 1-D tiles
-    of trailing tokens and -1): the reference rule's outputs, with the ids from registers and
-    (BLOCK_O 4096, radix) from the scratch row; rows with fewer blocks than k, k = 0, r = 1."""
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **emit))
-    gen = torch.Generator().manual_seed(len(seqlens) * 29 + s * 5 + r + budget)
-    nb = max(seqlens) // r + 2
-    scores = _scores(gen, b * s, nb, kind)
-    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
-    check_select(scores, sk, s=s, r=r, budget=budget, first=first)
+    of trailing tokens and -1), with the ids from registers and (BLOCK_O 4096, radix) from the
+    scratch row; ``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the
+    invisible ones masked after the load): the reference rule's outputs; rows with fewer
+    blocks than k, k = 0, r = 1."""
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **options))
+    _check_grid_case(29, 5, b, s, r, budget, seqlens, first, kind)
 
 
 def test_select_emit_ratio():
@@ -158,22 +163,6 @@ def test_select_emit_ratio():
     assert select.emit_ratio(on, 64, 512) == 0  # 32K positions
     with pytest.raises(ValueError, match="EMIT_2D"):
         select.select_config(dict(EMIT_2D=1), 2048, interpret=False)
-
-
-@interpret
-@pytest.mark.parametrize("kind", ["ties", "rand"])
-@pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
-def test_select_early_scores_equals_reference_rule(b, s, r, budget, seqlens, first, kind,
-                                                   method, monkeypatch):  # fmt: skip
-    """``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the invisible
-    ones masked after the load): the reference rule's outputs."""
-    over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
-    gen = torch.Generator().manual_seed(len(seqlens) * 23 + s * 3 + r + budget)
-    nb = max(seqlens) // r + 2
-    scores = _scores(gen, b * s, nb, kind)
-    sk = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
-    check_select(scores, sk, s=s, r=r, budget=budget, first=first)
 
 
 @interpret
