@@ -332,6 +332,9 @@ _VARIANTS = {
     "trigger": (None, None, None, True),
     "early_trigger": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True, True),
     "again": (None, None),
+    # the session-28 defaults off (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O, the
+    # early PDL trigger): the layer as before them
+    "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
 }
 
 

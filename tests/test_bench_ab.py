@@ -86,7 +86,9 @@ def test_sparse_select_warp_variants_reach_the_select_launch():
 
 
 def test_layer_early_variants_reach_the_launches():
-    """The "early" variant sets the three flags it names and restores them afterwards."""
+    """The "late" variant turns the session-28 defaults off (select EARLY_SCORES, DSA
+    EARLY_CNT, MERGE_EARLY_O, PDL_EARLY_TRIGGER), "early" sets the three loads' flags; both
+    restore them afterwards."""
     from longattn import _triton_merge, _triton_utils
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
@@ -96,17 +98,17 @@ def test_layer_early_variants_reach_the_launches():
             dsa_decode.decode_config(256, torch.bfloat16, torch.bfloat16, False).get("EARLY_CNT"),
             sel_mod.select_config(None, 2048, False)["EARLY_SCORES"],
             _triton_merge.MERGE_EARLY_O,
+            _triton_utils.PDL_EARLY_TRIGGER,
         )
 
     before = flags()
-    assert before == (None, False, False)
+    assert before == (None, None, True, True)  # None: decided per launch (not a first prompt)
     with bench_sparse._variant(*bench_sparse._VARIANTS["early"]):
-        assert flags() == (True, True, True)
-    assert flags() == before
-    with bench_sparse._variant(*bench_sparse._VARIANTS["trigger"]):
-        assert flags() == before and _triton_utils.PDL_EARLY_TRIGGER
+        assert flags() == (True, True, True, True)
+    with bench_sparse._variant(*bench_sparse._VARIANTS["late"]):
+        assert flags() == (False, False, False, False)
         # (kernels take TRIGGER only where PDL is on: never on the CPU)
         assert _triton_utils.pdl_kwargs(torch.zeros(1), trigger=True) == dict(
             PDL=False, TRIGGER=False
         )
-    assert not _triton_utils.PDL_EARLY_TRIGGER
+    assert flags() == before

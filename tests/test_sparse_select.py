@@ -365,6 +365,7 @@ def test_score_config_fills_one_wave():
         (dict(BLOCK_O=100), "BLOCK_O"),
         (dict(BLOCK_O=8), "BLOCK_O"),
         (dict(BLOCK=64), "unknown keys"),
+        (dict(EARLY_SCORES=1), "EARLY_SCORES"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -384,3 +385,13 @@ def test_select_config_defaults():
     assert select.select_config(dict(EMIT_2D=False), 2048, interpret=False)["BLOCK_O"] == 1024
     assert select.select_config(None, 4096, interpret=True)["BLOCK_O"] == 256
     assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_select_early_scores_default(first):
+    """``EARLY_SCORES`` None (the default): on unless the rows are a first prompt's."""
+    *_, args = select.select_launch_args(
+        torch.rand(2, 40), torch.tensor([600, 9], dtype=torch.int32), seq_len=1, num_blocks=40,
+        compress_ratio=16, token_budget=64, is_first_prompt=first,
+    )  # fmt: skip
+    assert args["EARLY_SCORES"] is (not first)

@@ -666,6 +666,30 @@ def test_dsa_fused_prologue_is_s1_only_and_checked(monkeypatch):
 
 
 @interpret
+@pytest.mark.parametrize("first", [False, True])
+def test_dsa_early_cnt_default_and_checked(first, monkeypatch):
+    """``EARLY_CNT`` defaults to on unless the rows are a first prompt's; a non-bool is a
+    ValueError naming the key."""
+    seen = []
+    real = decode.dsa_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append(kw["EARLY_CNT"])
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(decode, "dsa_split_kernel", Spy())
+    kw = build(43, h=32, s=3, first_prompt=first)
+    _run_with_splits(kw, None)
+    assert seen == [not first]
+    with pytest.raises(ValueError, match=r"cfg\['EARLY_CNT'\] must be a bool"):
+        _run_with_splits(kw, None, EARLY_CNT=1)
+
+
+@interpret
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
 def test_dsa_sm_programs_checked(bad):
     """SM_PROGRAMS must be a positive int (a float or a bool would silently change the plan)."""

@@ -5,7 +5,7 @@ channel tile. A split kernel wrote, for every row ``r``, head ``n`` and split ``
 
 - ``o_part [R, N, splits, HEAD]`` fp32, the split's output normalized over the split;
 - ``lse_part [R, N, splits]`` fp32, the split's log-sum-exp in the log2 domain (-inf if empty;
-  then its ``o_part`` is not read and may be unwritten).
+  then its ``o_part`` may be unwritten: never used, see ``MERGE_EARLY_O``).
 
 The merge loads every split of its channel tile at once (``[SPLITS_PAD, BLOCK_D]``, no serial
 loop over the splits), weights them by ``exp2(lse - max)``, adds the sink (``head_sink`` or the
@@ -25,9 +25,10 @@ from ._triton_utils import cdiv, next_pow2, pdl_kwargs, wait_prior_grids
 
 MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 # o_part tiles loaded together with the lse row instead of after it (masked by the lse): one
-# dependent L2 round trip less per merge; the empty slots' values are replaced by zeros.
-# Off until measured (bench A/B variants "early").
-MERGE_EARLY_O = False
+# dependent L2 round trip less per merge; the empty slots' values are replaced by zeros. On
+# since session 28 as part of the sparse layer's measured "early" options (H100,
+# ``sparse_early_trigger_ab_h100.json``); GQA decode alone: neutral (``gqa_merge_early_o_ab_h100``).
+MERGE_EARLY_O = True
 
 
 @triton.jit

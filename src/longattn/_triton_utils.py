@@ -108,11 +108,13 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-# Small single-wave kernels of the sparse decode chain (block scores, select) may let the next
+# Small single-wave kernels of the sparse decode chain (block scores, select) let the next
 # PDL-launched grid start launching as soon as they pass their own wait (``release_dependents``),
-# so its launch overlaps their run instead of their tail. Off until measured (bench_sparse A/B
-# variant "trigger"); read per launch.
-PDL_EARLY_TRIGGER = False
+# so its launch overlaps their run instead of their tail; read per launch. H100, session 28
+# (``benchmarks/results/sparse_early_trigger_ab_h100.json``, same process): the layer op at B=1
+# S=1 T=128K / 256K 18.62 / 21.49 -> 18.19 / 20.71 us alone, 17.98 / 20.21 with the early loads
+# (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O).
+PDL_EARLY_TRIGGER = True
 
 
 def pdl_kwargs(t: torch.Tensor, trigger: bool = False) -> dict:

@@ -632,6 +632,12 @@ def dsa_triton(
     use_triton = triton_prologue_fits(p) if prologue is None else prologue == "triton"
     use_triton = use_triton and not two_q
     cfg = dict(cfg or decode_config(h, q_dtype, present_key.dtype, _interpret()))
+    # index loads beside the count load: rows of a subsequent prompt or decode step choose
+    # about the full budget (a first prompt's early rows choose few: their splits past the
+    # count would run masked tiles); H100 session 28 in the layer's "early" options
+    cfg.setdefault("EARLY_CNT", not p.is_first_prompt)
+    if not isinstance(cfg["EARLY_CNT"], bool):
+        raise ValueError(f"cfg['EARLY_CNT'] must be a bool, got {cfg['EARLY_CNT']!r}")
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)

@@ -326,7 +326,10 @@ def indexer_select_kernel(
 # 3 and 4 at every shape (H200, ``tune_select_h200.json``); EMIT_2D with 1024-wide tail tiles
 # beat the 1-D emission at all 6 shapes (H100 session 21: B=1 S=1 T=128K 5.62 -> 5.29 us, 256K
 # 7.64 (4096-wide 1-D) -> 7.53; ``tune_select_emit2d_h100.json``)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=False)
+# EARLY_SCORES None: on for rows of a subsequent prompt or decode step (they see at least the
+# past's blocks: loading the whole row costs little), off for a first prompt (its early rows see
+# few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
@@ -350,9 +353,12 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     bo = out["BLOCK_O"]
     if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
-    for flag in ("EMIT_2D", "EARLY_SCORES"):
-        if not isinstance(out.get(flag, False), bool):
-            raise ValueError(f"select cfg[{flag!r}] must be a bool, got {out[flag]!r}")
+    if not isinstance(out.get("EMIT_2D", False), bool):
+        raise ValueError(f"select cfg['EMIT_2D'] must be a bool, got {out['EMIT_2D']!r}")
+    if out.get("EARLY_SCORES") is not None and not isinstance(out["EARLY_SCORES"], bool):
+        raise ValueError(
+            f"select cfg['EARLY_SCORES'] must be a bool or None, got {out['EARLY_SCORES']!r}"
+        )
     return out
 
 
@@ -434,6 +440,8 @@ def select_launch_args(
     tune = dict(tune)
     emit_r = emit_ratio(tune, r, kb_pad)
     tune.pop("EMIT_2D", None)
+    if tune.get("EARLY_SCORES") is None:
+        tune["EARLY_SCORES"] = not is_first_prompt
     args = dict(
         score_ptr=scores,
         seqlens_ptr=seqlens_k,
