@@ -270,10 +270,10 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, split_trigger=None):
+def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
     """The DSA tier's default config plus ``dsa`` keys, the select kernel's defaults plus
     ``select`` keys, the merge's ``MERGE_EARLY_O`` and ``_triton_utils.PDL_EARLY_TRIGGER``
-    (None: unchanged) and ``decode.SPLIT_EARLY_TRIGGER`` (options not yet a default)."""
+    (None: unchanged) (options not yet a default)."""
     from longattn import _triton_merge, _triton_utils
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
@@ -285,9 +285,6 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, split_trig
         _triton_merge.MERGE_EARLY_O = merge_early_o
     if trigger is not None:
         _triton_utils.PDL_EARLY_TRIGGER = trigger
-    orig_split = dsa_decode.SPLIT_EARLY_TRIGGER
-    if split_trigger is not None:
-        dsa_decode.SPLIT_EARLY_TRIGGER = split_trigger
     select = dict(select or {})
     warps = select.pop("num_warps", None)  # the select launch's warps (select_num_warps)
     dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
@@ -301,7 +298,6 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, split_trig
         sel_mod.select_num_warps = orig_warps
         _triton_merge.MERGE_EARLY_O = orig_merge
         _triton_utils.PDL_EARLY_TRIGGER = orig_trigger
-        dsa_decode.SPLIT_EARLY_TRIGGER = orig_split
 
 
 # A/B variants of the layer section (options off by default until measured):
@@ -339,8 +335,6 @@ _VARIANTS = {
     # the session-28 defaults off (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O, the
     # early PDL trigger): the layer as before them
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
-    # the DSA split grid (one wave) releases the merge's launch too (SPLIT_EARLY_TRIGGER)
-    "split_trigger": (None, None, None, None, True),
 }
 
 

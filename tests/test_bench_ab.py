@@ -112,6 +112,3 @@ def test_layer_early_variants_reach_the_launches():
             PDL=False, TRIGGER=False
         )
     assert flags() == before
-    with bench_sparse._variant(*bench_sparse._VARIANTS["split_trigger"]):
-        assert flags() == before and dsa_decode.SPLIT_EARLY_TRIGGER
-    assert not dsa_decode.SPLIT_EARLY_TRIGGER

@@ -184,15 +184,14 @@ def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
 
 
 def _early_options(monkeypatch):
-    """EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O, PDL_EARLY_TRIGGER and the DSA split's
-    SPLIT_EARLY_TRIGGER forced on (the triggers act only where PDL is on: the GPU)."""
+    """bench_sparse's "early_trigger" A/B variant: EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and
+    PDL_EARLY_TRIGGER (the last one only where PDL is on: the GPU)."""
     over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
     cfg = decode.decode_config
     monkeypatch.setattr(decode, "decode_config", lambda *a: dict(cfg(*a), EARLY_CNT=True))
     monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", True)
     monkeypatch.setattr(_triton_utils, "PDL_EARLY_TRIGGER", True)
-    monkeypatch.setattr(decode, "SPLIT_EARLY_TRIGGER", True)  # (variant "split_trigger")
 
 
 @interpret

@@ -56,7 +56,6 @@ from ..._triton_utils import (
     cdiv,
     next_pow2,
     pdl_kwargs,
-    release_dependents,
     wait_prior_grids,
 )
 from ..._triton_utils import interpret as _interpret
@@ -66,12 +65,6 @@ from .._params import DSAParams
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128  # bound on splits per (row, KV head) (the merge loops over them)
-# A split grid of at most SPLIT_TRIGGER_PER_SM programs per SM (one wave: all resident) lets
-# the merge grid launch right after its own wait (``release_dependents``): the merge's
-# programs then wait beside it instead of launching after its last program. Off until
-# measured (bench_sparse variant "split_trigger").
-SPLIT_EARLY_TRIGGER = False
-SPLIT_TRIGGER_PER_SM = 2
 
 _empty = torch.empty  # every buffer of this tier is allocated here (tests poison it with NaN)
 
@@ -258,13 +251,11 @@ def dsa_split_kernel(
     K_QUANT: tl.constexpr = False,
     HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
     EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
-    TRIGGER: tl.constexpr = False,  # the merge grid may launch once this one runs
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     row = tl.program_id(2).to(tl.int64)
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
-    release_dependents(TRIGGER)
     b = row // seq_len
     s = row % seq_len
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
@@ -687,11 +678,8 @@ def dsa_triton(
     sel_qk = _qk_operands(sel_q, aux_k.dtype) if sel_aux else main_qk
     sel_pv = _pv_operands(sel_q, aux_v.dtype) if sel_aux else main_pv
     q_any = query if q_rot is None else q_rot  # (a dummy pointer when fused)
-    one_wave = splits * kv * rows <= SPLIT_TRIGGER_PER_SM * _num_sms(dev_index)
-    pdl = pdl_kwargs(query, trigger=True)
-    pdl["TRIGGER"] = pdl["TRIGGER"] and SPLIT_EARLY_TRIGGER and one_wave
     dsa_split_kernel[(splits, kv, rows)](
-        **pdl,
+        **pdl_kwargs(query),
         q_ptr=q_any,
         qa_ptr=q_plain if two_q else q_any,
         kc_ptr=present_key,
