@@ -108,9 +108,9 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-# Small single-wave kernels of the sparse decode chain (block scores, select) let the next
-# PDL-launched grid start launching as soon as they pass their own wait (``release_dependents``),
-# so its launch overlaps their run instead of their tail; read per launch. H100, session 28
+# The block-score and select launches of the sparse chain let the next PDL-launched grid launch
+# as soon as all their programs passed their own wait (``release_dependents``), so its launch
+# overlaps their run instead of following their last program; read per launch. H100, session 28
 # (``benchmarks/results/sparse_early_trigger_ab_h100.json``, same process): the layer op at B=1
 # S=1 T=128K / 256K 18.62 / 21.49 -> 18.19 / 20.71 us alone, 17.98 / 20.21 with the early loads
 # (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O).
@@ -145,10 +145,12 @@ def wait_prior_grids(PDL: tl.constexpr):
 
 @triton.jit
 def release_dependents(TRIGGER: tl.constexpr):
-    """Right after ``wait_prior_grids``: the next PDL-launched grid may start launching now;
-    its own ``wait_prior_grids`` still blocks until this grid has completed and its memory is
-    visible, so only the launch overlaps this grid's run (its programs take SM slots while
-    they wait: for grids that leave SMs free)."""
+    """Right after ``wait_prior_grids``: the next PDL-launched grid may launch once every
+    program of this grid has called this (or exited), so never before this grid's last
+    programs are resident (no slot is taken from them); its ``wait_prior_grids`` still blocks
+    until this grid has completed and its memory is visible: only the launch overlaps this
+    grid's run. Its waiting programs hold SM slots meanwhile: for launches followed by small
+    grids (the DSA split grid releasing the merge lost 3-4% at B=1 S=1, H100 session 28)."""
     if TRIGGER:
         gdc_launch_dependents()
 
