@@ -300,41 +300,28 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
         _triton_utils.PDL_EARLY_TRIGGER = orig_trigger
 
 
-# A/B variants of the layer section (options off by default until measured):
-# - FUSE_PROLOGUE (S = 1): the DSA split kernel does the prologue's work (one launch fewer). Its
-#   sm_90 build takes 195 registers at H=256 bf16 (unfused 121; 42 KB of shared memory at 2
-#   stages): 2 programs per SM; a cap of 168 keeps 3 without spills, 128 keeps the unfused
-#   kernel's 4 with 56 bytes of spills outside the loop (benchmarks/sass.py dsa-decode --set
-#   FUSE_PROLOGUE=True --stages 2 --maxnreg N);
-# - EMIT_2D: the select kernel emits the chosen blocks' positions as one [KB_PAD, r] tile (no
-#   division and gather per position; its 1-D loop 131 -> 37 sm_90 instructions).
+# A/B variants of the layer section (the defaults' measured alternatives):
+# - FUSE_PROLOGUE (S = 1, off: lost at B=4): the DSA split kernel does the prologue's work (one
+#   launch fewer). Its sm_90 build takes 195 registers at H=256 bf16 (unfused 121; 42 KB of
+#   shared memory at 2 stages): 2 programs per SM; a cap of 168 keeps 3 without spills, 128
+#   keeps the unfused kernel's 4 with 56 bytes of spills outside the loop (benchmarks/sass.py
+#   dsa-decode --set FUSE_PROLOGUE=True --stages 2 --maxnreg N);
+# - the select launch's warps (default 8 for 1K-4K-block rows, select_num_warps): a radix step
+#   is a block-wide reduction, fewer warps = fewer partial sums to combine per barrier;
+# - late: session 28's latency defaults off (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O,
+#   the score / select launches' early PDL trigger): the layer as before them (the options one
+#   by one were variants of that session, sparse_early_trigger_ab_h100.json);
+# - again: the defaults re-timed (the run's noise).
+# Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER]]).
 _VARIANTS = {
     "fused": (dict(FUSE_PROLOGUE=True), None),
     "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
     "fused128": (dict(FUSE_PROLOGUE=True, maxnreg=128), None),
-    "emit2d": (None, dict(EMIT_2D=True)),
-    "fused168_emit2d": (dict(FUSE_PROLOGUE=True, maxnreg=168), dict(EMIT_2D=True)),
-    # the select launch's warps (default 8 for 1K-4K-block rows, select_num_warps): a radix
-    # step is a block-wide reduction, fewer warps = fewer partial sums to combine per barrier
     "sel_w2": (None, dict(num_warps=2)),
     "sel_w4": (None, dict(num_warps=4)),
     "sel_w16": (None, dict(num_warps=16)),
-    # one dependent L2 round trip less per launch: the select's score loads do not wait for
-    # seqlens (EARLY_SCORES), the DSA split's index loads not for selected_counts (EARLY_CNT),
-    # the merge's o_part loads not for the lse row (MERGE_EARLY_O); "early" = all three,
-    # "again" re-times the defaults (noise)
-    "early_scores": (None, dict(EARLY_SCORES=True)),
-    "early_cnt": (dict(EARLY_CNT=True), None),
-    "early_o": (None, None, True),
-    "early": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True),
-    # the score and select launches release the next grid's launch right after their own wait
-    # (PDL_EARLY_TRIGGER); "early_trigger": that and "early"
-    "trigger": (None, None, None, True),
-    "early_trigger": (dict(EARLY_CNT=True), dict(EARLY_SCORES=True), True, True),
-    "again": (None, None),
-    # the session-28 defaults off (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O, the
-    # early PDL trigger): the layer as before them
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
+    "again": (None, None),
 }
 
 

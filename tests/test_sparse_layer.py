@@ -184,8 +184,8 @@ def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
 
 
 def _early_options(monkeypatch):
-    """bench_sparse's "early_trigger" A/B variant: EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and
-    PDL_EARLY_TRIGGER (the last one only where PDL is on: the GPU)."""
+    """EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and PDL_EARLY_TRIGGER forced on (the defaults
+    except for a first prompt's rows; the trigger acts only where PDL is on: the GPU)."""
     over = dict(select.SELECT_DEFAULTS, EARLY_SCORES=True)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", over)
     cfg = decode.decode_config
@@ -327,8 +327,7 @@ def test_gpu_layer_matches_two_ops(case):
 @gpu
 @pytest.mark.parametrize("case", [dict(b=2, s=8), dict(b=1, s=1, total=131072)])
 def test_gpu_layer_early_loads_match_two_ops(case, monkeypatch):
-    """The "early_trigger" A/B variant (EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and the score /
-    select launches releasing the next grid early) at real shapes."""
+    """Every session-28 option forced on (``_early_options``) at real shapes: the two ops."""
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     want = two_ops(kw, "triton")
