@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import TL_DTYPES, scale_strides
+from ._triton_utils import TL_DTYPES, cfg_flag, scale_strides
 
 _RINT_MAGIC = tl.constexpr(
     12582912.0
@@ -347,8 +347,6 @@ def fuse_prologue(cfg: dict, seq_len: int, triton_prologue: bool) -> bool:
     only for one new token per sequence (S = 1) and inputs the Triton prologue handles; every
     split program then computes its query heads' Q (and the new K/V row, which one program
     appends), so the prologue launch goes away. Sets ``cfg["FUSE_PROLOGUE"]`` to the answer."""
-    want = cfg.get("FUSE_PROLOGUE", False)
-    if not isinstance(want, bool):
-        raise ValueError(f"cfg['FUSE_PROLOGUE'] must be a bool, got {want!r}")
+    want = cfg_flag(cfg, "FUSE_PROLOGUE")
     cfg["FUSE_PROLOGUE"] = fuse = want and seq_len == 1 and triton_prologue
     return fuse

@@ -69,6 +69,17 @@ def _hopper_feature_on(device: torch.device, disable_env: str) -> bool:
     return _sm90_compiled(index)
 
 
+def cfg_flag(cfg: dict, key: str, default=False, *, allow_none=False, what="cfg"):
+    """``cfg[key]`` (``default`` when absent), checked to be a bool (or None with
+    ``allow_none``): a tuning flag given as 1 or "yes" would silently pick another build.
+    ``what`` names the dict in the error (e.g. "select cfg")."""
+    value = cfg.get(key, default)
+    if not isinstance(value, bool) and not (allow_none and value is None):
+        kind = "a bool or None" if allow_none else "a bool"
+        raise ValueError(f"{what}[{key!r}] must be {kind}, got {value!r}")
+    return value
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with programmatic dependent launch (``pdl_kwargs``):
     CUDA sm_90+, not the interpreter, and ``LONGATTN_DISABLE_PDL`` unset (read per call)."""

@@ -22,7 +22,15 @@ from ..._triton_prologue import (
     rope_norm_flags,
 )
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, device_sms, gluon_hopper_enabled, next_pow2, pdl_kwargs, tma_ok
+from ..._triton_utils import (
+    cdiv,
+    cfg_flag,
+    device_sms,
+    gluon_hopper_enabled,
+    next_pow2,
+    pdl_kwargs,
+    tma_ok,
+)
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
 from .._params import GQAParams
@@ -475,9 +483,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
     tiles = cdiv(span, cfg["BLOCK_N"])  # key tiles of each (sequence, KV head) pair
-    if not isinstance(cfg.get("BALANCED", False), bool):
-        raise ValueError(f"cfg['BALANCED'] must be a bool, got {cfg['BALANCED']!r}")
-    if num_splits or not cfg.get("BALANCED"):  # the split grid
+    if num_splits or not cfg_flag(cfg, "BALANCED"):  # the split grid
         cfg["BALANCED"] = False
         splits = num_splits or choose_num_splits(
             b, kv, span, cfg["BLOCK_N"], sms, resident, issue_bound=int8, balance=balance

@@ -54,6 +54,7 @@ from ..._triton_utils import TL_DTYPES as _TL
 from ..._triton_utils import (
     cache_to_dot,
     cdiv,
+    cfg_flag,
     next_pow2,
     pdl_kwargs,
     wait_prior_grids,
@@ -635,9 +636,7 @@ def dsa_triton(
     # index loads beside the count load: rows of a subsequent prompt or decode step choose
     # about the full budget (a first prompt's early rows choose few: their splits past the
     # count would run masked tiles); H100 session 28 in the layer's "early" options
-    cfg.setdefault("EARLY_CNT", not p.is_first_prompt)
-    if not isinstance(cfg["EARLY_CNT"], bool):
-        raise ValueError(f"cfg['EARLY_CNT'] must be a bool, got {cfg['EARLY_CNT']!r}")
+    cfg["EARLY_CNT"] = cfg_flag(cfg, "EARLY_CNT", not p.is_first_prompt)
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)

@@ -50,7 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_utils import next_pow2, pdl_kwargs, release_dependents, wait_prior_grids
+from ..._triton_utils import (
+    cfg_flag,
+    next_pow2,
+    pdl_kwargs,
+    release_dependents,
+    wait_prior_grids,
+)
 
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 TOPK_MAX_BLOCKS = 1024  # rows up to this NB_PAD take the tl.topk method (see step 3)
@@ -353,12 +359,8 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     bo = out["BLOCK_O"]
     if not isinstance(bo, int) or bo < 16 or bo & (bo - 1):
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
-    if not isinstance(out.get("EMIT_2D", False), bool):
-        raise ValueError(f"select cfg['EMIT_2D'] must be a bool, got {out['EMIT_2D']!r}")
-    if out.get("EARLY_SCORES") is not None and not isinstance(out["EARLY_SCORES"], bool):
-        raise ValueError(
-            f"select cfg['EARLY_SCORES'] must be a bool or None, got {out['EARLY_SCORES']!r}"
-        )
+    cfg_flag(out, "EMIT_2D", what="select cfg")
+    cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     return out
 
 
