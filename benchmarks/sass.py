@@ -112,7 +112,8 @@ def loops(sass: str) -> list[Counter]:
                 labels[pending], pending = ins[-1][0], None
     out = []
     for addr, text in ins:
-        m = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?`?\(?\.?(L_x_\d+)", text)  # (BRA P2, `(...): uniform)
+        # also the uniform-predicate form "BRA P2, `(.L_x_7)"
+        m = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?`?\(?\.?(L_x_\d+)", text)
         if m and labels.get(m.group(1), addr + 1) < addr:
             lo = labels[m.group(1)]
             out.append(Counter(_OP.match(t).group(1) for a, t in ins if lo <= a <= addr))
