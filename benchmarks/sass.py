@@ -195,7 +195,7 @@ def _presets(cache: str):
         "wgmma-probe": (wgmma_paths_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32"},
                         dict(M=64, N=64, K=256), 4, 1),
         "indexer-select": (indexer_select_kernel,
-                           {"score_ptr": "*fp32", **{f"{n}_ptr": "*i32" for n in
+                           {"score_ptr": "*fp32", "clk_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
                            dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False, RADIX_BITS=2,
                                 IDS_IN_REGS=True, IS_FIRST_PROMPT=False, PDL=False, EMIT_R=0), 8, 1),
@@ -255,6 +255,7 @@ def main(argv=None):
                     memory=memory_ops(res["sass"]),
                     loops=loops(res["sass"]),
                     hgmma_rs=len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", res["sass"])),
+                    clock_reads=len(re.findall(r"SR_CLOCKLO", res["sass"])),
                 )
             )
         )

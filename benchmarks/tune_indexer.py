@@ -4,6 +4,8 @@ calls over distinct layers (each layer its own block keys and queries, so every 
 keys from DRAM).
 
     PYTHONPATH=src python benchmarks/tune_indexer.py --out $OUT
+    PYTHONPATH=src python benchmarks/tune_indexer.py --configs 1x1 --T 131072,262144 \
+        --kernels select_phases --out $OUT   # cycles per phase of the select kernel
 
 Geometry of ``bench_sparse.py``: NI = 16 index heads of DI = 128, fp32 block keys, bf16 index
 query, r = 64, budget 2048 (32 blocks; ``--budgets`` for others). Writes ``tune_indexer.json``
@@ -111,13 +113,51 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid
         print(row, flush=True)
 
 
+PHASES = ("load_bounds", "radix", "chosen_scatter", "emit")  # between select.CLOCK_MARKS
+
+
+def select_phases(b, s, t, rows, budget=BUDGET, reps=20):
+    """Where the select kernel's time goes: its profiling build (``clocks``: the SM clock at
+    ``select.CLOCK_MARKS``) over every layer's scores, ``reps`` eager calls each; the median
+    cycles of each phase and of the whole row (start to the last store's issue), beside the
+    default build's time in a chained graph. Phases: ``load_bounds`` (seqlens + score loads,
+    order keys, radix bounds), ``radix`` (the radix steps), ``chosen_scatter`` (chosen flags,
+    tie handling, cumsum, scatter to scratch + CTA barrier), ``emit`` (ids reload + emission);
+    rows of <= ``select.TOPK_MAX_BLOCKS`` blocks (``tl.topk``) report the total only."""
+    seqlens, layers = _layers(b, s, t)
+    nb = layers[0][1].shape[1]
+    base = [_scores(q, k, seqlens, None) for q, k in layers]
+    marks = torch.zeros(b * s, sl.CLOCK_MARKS, dtype=torch.int64, device="cuda")
+    samples = []
+    for _ in range(reps):
+        for sc in base:
+            sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
+                              token_budget=budget, is_first_prompt=False, clocks=marks)  # fmt: skip
+            samples.append(marks.clone())
+    m = torch.stack(samples).double()  # [calls, rows, marks]
+    d = m.diff(dim=2)  # [calls, rows, marks - 1]
+    row = dict(kernel="select_phases", B=b, S=s, T=t, budget=budget,
+               total_cycles=float((m[..., -1] - m[..., 0]).median()))  # fmt: skip
+    if nb > sl.TOPK_MAX_BLOCKS:
+        row.update({f"{n}_cycles": float(d[..., i].median()) for i, n in enumerate(PHASES)})
+    us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb, budget=budget)
+                            for sc in base], min_time_s=0.05)["median_us"]  # fmt: skip
+    row["default_chain_us"] = round(us, 2)
+    try:  # the SM clock under load, for cycles -> us (needs pynvml)
+        row["sm_clock_mhz"] = torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    rows.append(row)
+    print(row, flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--configs", default="1x1,4x1,1x8,4x8")
     ap.add_argument("--T", default="131072", help="comma-separated lengths")
     ap.add_argument("--budgets", default=str(BUDGET), help="comma-separated (select sweep)")
-    ap.add_argument("--kernels", default="score,select")
+    ap.add_argument("--kernels", default="score,select", help="score, select, select_phases")
     ap.add_argument("--select-warps", default=None, help="e.g. 4,8,16 (default 8)")
     ap.add_argument("--select-bits", default=None, help="e.g. 2 (default 2,3)")
     ap.add_argument(
@@ -137,7 +177,10 @@ def main(argv=None):
             sg["bits"] = tuple(int(x) for x in args.select_bits.split(","))
         if args.select_defaults_only:
             sg.update(block_o=(1024,), emit_2d=(True,))
-        sweep(b, s, int(t), rows, args.kernels.split(","), int(budget), sg)
+        kernels = args.kernels.split(",")
+        sweep(b, s, int(t), rows, kernels, int(budget), sg)
+        if "select_phases" in kernels:
+            select_phases(b, s, int(t), rows, int(budget))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune_indexer.json").write_text(
@@ -145,6 +188,8 @@ def main(argv=None):
         )
     best = {}
     for r in rows:
+        if "us" not in r:  # select_phases rows
+            continue
         key = (r["kernel"], r["B"], r["S"], r["T"], r.get("budget"))
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r

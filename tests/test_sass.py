@@ -218,6 +218,21 @@ def test_select_2d_emission_compiles_without_division(extra):
     assert sum(new_loop[0].values()) * 2 < sum(old_loop[0].values()), (new_loop, old_loop)
 
 
+def test_select_clocks_build_marks_its_phases_and_costs_nothing_when_off():
+    """The select kernel's profiling build (``CLOCKS``, ``select.CLOCK_MARKS`` marks) reads the
+    SM clock once per mark around the same radix loop; the default build reads it never."""
+    from longattn.sparse.triton.select import CLOCK_MARKS
+
+    flags = "TOPK=False,NB_PAD=4096,KB_PAD=32,BLOCK_O=1024,EMIT_R=64,IDS_IN_REGS=True"
+    base = _sass("indexer-select", "--set", flags, "--warps", "8")
+    clk = _sass("indexer-select", "--set", flags + ",CLOCKS=True", "--warps", "8")
+    assert base["clock_reads"] == 0
+    assert clk["clock_reads"] == CLOCK_MARKS
+    radix = [max(r["loops"], key=lambda c: c.get("SHFL", 0)) for r in (base, clk)]
+    assert radix[0] == radix[1], radix
+    assert clk["total"] - base["total"] < 40, (clk["total"], base["total"])
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register

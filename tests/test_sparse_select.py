@@ -395,3 +395,42 @@ def test_select_early_scores_default(first):
         compress_ratio=16, token_budget=64, is_first_prompt=first,
     )  # fmt: skip
     assert args["EARLY_SCORES"] is (not first)
+
+
+def test_select_clocks_argument():
+    """``clocks`` (the select's profiling build) must be ``[rows, CLOCK_MARKS]`` int64; it
+    switches the build's ``CLOCKS`` on, and its absence leaves the kernel's default build."""
+    kw = dict(seq_len=1, num_blocks=40, compress_ratio=16, token_budget=64, is_first_prompt=False)
+    sc, sk = torch.rand(2, 40), torch.tensor([600, 9], dtype=torch.int32)
+    *_, args = select.select_launch_args(sc, sk, **kw)
+    assert "clk_ptr" not in args and "CLOCKS" not in args
+    marks = torch.zeros(2, select.CLOCK_MARKS, dtype=torch.int64)
+    *_, args = select.select_launch_args(sc, sk, clocks=marks, **kw)
+    assert args["CLOCKS"] is True and args["clk_ptr"] is marks
+    for bad in (torch.zeros(2, 4, dtype=torch.int64), marks.to(torch.int32), marks[:1]):
+        with pytest.raises(ValueError, match="clocks must be"):
+            select.select_launch_args(sc, sk, clocks=bad, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("t", [32768, 262144])  # 513 blocks: TOPK; 4097: radix
+def test_gpu_select_clocks_build(t):
+    """The profiling build selects exactly as the default one and writes ordered phase marks
+    (radix rows: start <= bounds <= radix <= chosen <= end; TOPK rows: start <= end, 0 between)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(t)
+    sk = torch.tensor([t - 1, t // 3], dtype=torch.int32, device=DEV)
+    kw = dict(seq_len=1, num_blocks=t // 64 + 1, compress_ratio=64, token_budget=2048,
+              is_first_prompt=False)  # fmt: skip
+    scores = _scores(gen, 2, t // 64 + 1, "rand").to(DEV)
+    marks = torch.zeros(2, select.CLOCK_MARKS, dtype=torch.int64, device=DEV)
+    got = select.indexer_select(scores, sk, clocks=marks, **kw)
+    want = select.indexer_select(scores, sk, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    m = marks.cpu()
+    assert bool((m[:, 0] > 0).all()) and bool((m[:, -1] >= m[:, 0]).all()), m
+    if t // 64 + 1 > select.TOPK_MAX_BLOCKS:
+        assert bool((m[:, 1:].diff(dim=1) >= 0).all() & (m[:, 1] >= m[:, 0]).all()), m
+    else:
+        assert bool((m[:, 1:-1] == 0).all()), m

@@ -170,6 +170,16 @@ _INTERPRET = tl.constexpr(interpreter_active())  # the mode triton fixed at impo
 
 
 @triton.jit
+def sm_clock(dep):
+    """The SM's cycle counter (``%clock64``, int64) read once the int32 scalar ``dep`` exists:
+    a phase mark of the kernels' opt-in ``CLOCKS`` builds (GPU only; the interpreter has no
+    inline assembly). The dependence keeps the read after the work that made ``dep``."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def int8_to_fp16(t):
     """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
     ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""

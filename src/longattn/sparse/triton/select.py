@@ -55,6 +55,7 @@ from ..._triton_utils import (
     next_pow2,
     pdl_kwargs,
     release_dependents,
+    sm_clock,
     wait_prior_grids,
 )
 
@@ -194,11 +195,19 @@ def _radix_bounds(v, NB_PAD: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr,
-                             NB_PAD: tl.constexpr, KB_PAD: tl.constexpr):  # fmt: skip
+                             NB_PAD: tl.constexpr, KB_PAD: tl.constexpr,
+                             CLOCKS: tl.constexpr = False):  # fmt: skip
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
-    (ties: lower block); then a CTA barrier."""
+    (ties: lower block); then a CTA barrier. Returns the SM clock after the bounds and after
+    the radix steps (``CLOCKS``; else zeros)."""
     vmax, floor = _radix_bounds(v, NB_PAD, KB_PAD)
+    t_bounds = tl.zeros([], tl.int64)
+    t_radix = tl.zeros([], tl.int64)
+    if CLOCKS:
+        t_bounds = sm_clock(vmax)
     lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), vmax, floor, RADIX_BITS)
+    if CLOCKS:
+        t_radix = sm_clock(lo)
     chosen = v >= lo  # [NB_PAD]: exactly the k best when n_ge == k (the usual exit)
     if n_ge > k:  # lo is the k-th key and ties it (n_ge may be a bound): lowest block ids first
         eq = v == lo  # [NB_PAD] (v = -1 never equals lo >= 0)
@@ -209,6 +218,7 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
+    return t_bounds, t_radix
 
 
 @triton.jit
@@ -235,8 +245,15 @@ def select_row(
     IS_FIRST_PROMPT: tl.constexpr,
     EMIT_R: tl.constexpr,  # > 0: compress_ratio (a power of two), 2-D emission (EMIT_2D)
     EARLY_SCORES: tl.constexpr = False,  # score loads independent of seqlens (cfg)
+    clk_ptr=None,  # CLOCKS: [rows, CLOCK_MARKS] int64 out
+    CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
 ):
-    """Selection + emission of query row ``row`` (see the module docstring)."""
+    """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
+    writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
+    (the radix marks stay 0 under ``TOPK``)."""
+    t_start = tl.zeros([], tl.int64)
+    if CLOCKS:
+        t_start = sm_clock(row.to(tl.int32))
     b = row // seq_len
     s = row % seq_len
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
@@ -261,11 +278,16 @@ def select_row(
     score = tl.load(score_ptr + row * stride_sr + offs_c, mask=ld_mask, other=0.0)  # [NB_PAD]
     v = _order_keys(score, visible)  # [NB_PAD] int32
     scratch_row = scratch_ptr + row * scratch_stride
+    t_bounds = tl.zeros([], tl.int64)
+    t_radix = tl.zeros([], tl.int64)
+    t_chosen = tl.zeros([], tl.int64)
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
-        _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS, NB_PAD,
-                                 KB_PAD)  # fmt: skip
+        t_bounds, t_radix = _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row,
+                                                     RADIX_BITS, NB_PAD, KB_PAD, CLOCKS)  # fmt: skip
+        if CLOCKS:
+            t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
         if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
             slots = tl.arange(0, KB_PAD)  # [KB_PAD]
             ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
@@ -307,6 +329,14 @@ def select_row(
         tl.store(out_row + j, val, mask=j < max_selected)
         j0 += BLOCK_O
     tl.store(cnt_ptr + row, n_sel_tok + trail)
+    if CLOCKS:  # CLOCK_MARKS order
+        t_end = sm_clock(k)
+        marks = clk_ptr + row * CLOCK_MARKS
+        tl.store(marks, t_start)
+        tl.store(marks + 1, t_bounds)
+        tl.store(marks + 2, t_radix)
+        tl.store(marks + 3, t_chosen)
+        tl.store(marks + 4, t_end)
 
 
 @triton.jit
@@ -317,6 +347,7 @@ def indexer_select_kernel(
     RADIX_BITS: tl.constexpr, IDS_IN_REGS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
+    clk_ptr=None, CLOCKS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -325,6 +356,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
+        clk_ptr, CLOCKS,
     )  # fmt: skip
 
 
@@ -336,6 +368,10 @@ def indexer_select_kernel(
 # past's blocks: loading the whole row costs little), off for a first prompt (its early rows see
 # few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None)
+# ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
+# after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
+# + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
+CLOCK_MARKS = tl.constexpr(5)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
@@ -406,6 +442,7 @@ def select_launch_args(
     interpret: bool = False,
     empty=torch.empty,
     cfg: dict | None = None,
+    clocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(selected_indices, selected_counts, kwargs)``: ``indexer_select``'s outputs (not yet
     written) and the keywords of ``indexer_select_kernel`` (all but ``PDL``; ``num_warps``
@@ -418,6 +455,8 @@ def select_launch_args(
         seqlens_k: ``[B]`` int32, total length minus one.
         empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
         cfg: tunables (``select_config``); None: the defaults.
+        clocks: ``[B*S, CLOCK_MARKS]`` int64 on the GPU: the profiling build (``CLOCKS``)
+            writes each row's phase marks there (``indexer_select_kernel`` only; benchmarks).
     """
     r = compress_ratio
     kb = token_budget // r
@@ -465,4 +504,9 @@ def select_launch_args(
         EMIT_R=emit_r,
         **tune,
     )
+    if clocks is not None:
+        if clocks.shape != (rows, CLOCK_MARKS) or clocks.dtype != torch.int64:
+            raise ValueError(f"clocks must be [{rows}, {CLOCK_MARKS}] int64, got "
+                             f"{list(clocks.shape)} {clocks.dtype}")  # fmt: skip
+        args.update(clk_ptr=clocks, CLOCKS=True)
     return idx, cnt, args
