@@ -311,6 +311,9 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
 # - late: session 28's latency defaults off (select EARLY_SCORES, DSA EARLY_CNT, MERGE_EARLY_O,
 #   the score / select launches' early PDL trigger): the layer as before them (the options one
 #   by one were variants of that session, sparse_early_trigger_ab_h100.json);
+# - two_scan: the select's radix scatter masked by chosen & (slot < k), which triton 3.6 builds
+#   with two cumsums (ONE_SCAN off: the default until session 29, which changed it on sm_90 SASS
+#   evidence alone, 1912 vs 2472 instructions at 4096 blocks);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER]]).
 _VARIANTS = {
@@ -321,6 +324,7 @@ _VARIANTS = {
     "sel_w4": (None, dict(num_warps=4)),
     "sel_w16": (None, dict(num_warps=16)),
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
+    "two_scan": (None, dict(ONE_SCAN=False)),
     "again": (None, None),
 }
 

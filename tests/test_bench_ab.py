@@ -109,3 +109,21 @@ def test_layer_late_variant_reaches_the_launches():
             PDL=False, TRIGGER=False
         )
     assert flags() == before
+
+
+def test_layer_two_scan_variant_reaches_the_select_launch():
+    """The "two_scan" variant launches the select with ONE_SCAN off (the pre-session-29
+    scatter) and restores the default afterwards."""
+    from longattn.sparse.triton import select as sel_mod
+
+    def one_scan():
+        *_, args = sel_mod.select_launch_args(
+            torch.rand(1, 40), torch.tensor([600], dtype=torch.int32), seq_len=1,
+            num_blocks=40, compress_ratio=16, token_budget=64, is_first_prompt=False,
+        )  # fmt: skip
+        return args["ONE_SCAN"]
+
+    assert one_scan() is True
+    with bench_sparse._variant(*bench_sparse._VARIANTS["two_scan"]):
+        assert one_scan() is False
+    assert one_scan() is True

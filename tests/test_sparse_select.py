@@ -139,7 +139,12 @@ def _check_grid_case(seed_a, seed_b, b, s, r, budget, seqlens, first, kind):
 @interpret
 @pytest.mark.parametrize(
     "options",
-    [dict(EMIT_2D=True), dict(EMIT_2D=True, BLOCK_O=4096), dict(EMIT_2D=False, EARLY_SCORES=True)],
+    [
+        dict(EMIT_2D=True),
+        dict(EMIT_2D=True, BLOCK_O=4096),
+        dict(EMIT_2D=False, EARLY_SCORES=True),
+        dict(ONE_SCAN=False),
+    ],
 )
 @pytest.mark.parametrize("kind", ["ties", "rand"])
 @pytest.mark.parametrize("b,s,r,budget,seqlens,first", _SELECT_GRID)
@@ -148,8 +153,9 @@ def test_select_options_equal_reference_rule(b, s, r, budget, seqlens, first, ki
     """``EMIT_2D`` (the chosen blocks' positions as one ``[KB_PAD, r]`` tile, then 1-D tiles
     of trailing tokens and -1), with the ids from registers and (BLOCK_O 4096, radix) from the
     scratch row; ``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the
-    invisible ones masked after the load): the reference rule's outputs; rows with fewer
-    blocks than k, k = 0, r = 1."""
+    invisible ones masked after the load); ``ONE_SCAN`` off (the radix scatter masked by
+    ``chosen & (slot < k)``): the reference rule's outputs; rows with fewer blocks than k,
+    k = 0, r = 1."""
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **options))
     _check_grid_case(29, 5, b, s, r, budget, seqlens, first, kind)
 
@@ -366,6 +372,7 @@ def test_score_config_fills_one_wave():
         (dict(BLOCK_O=8), "BLOCK_O"),
         (dict(BLOCK=64), "unknown keys"),
         (dict(EARLY_SCORES=1), "EARLY_SCORES"),
+        (dict(ONE_SCAN=None), "ONE_SCAN"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -378,6 +385,7 @@ def test_select_config_defaults():
         select.SELECT_DEFAULTS, BLOCK_O=1024, num_warps=select.select_num_warps(2048)
     )
     assert select.SELECT_DEFAULTS["EMIT_2D"] is True
+    assert select.SELECT_DEFAULTS["ONE_SCAN"] is True
     # the 2-D emission leaves only the tail to 1-D tiles: 1024 wide at every size
     assert select.select_config(None, 4096, interpret=False)["BLOCK_O"] == 1024
     wide = select.select_config(dict(EMIT_2D=False), 4096, interpret=False)

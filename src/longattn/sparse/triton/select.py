@@ -196,10 +196,15 @@ def _radix_bounds(v, NB_PAD: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr,
                              NB_PAD: tl.constexpr, KB_PAD: tl.constexpr,
-                             CLOCKS: tl.constexpr = False):  # fmt: skip
+                             CLOCKS: tl.constexpr = False,
+                             ONE_SCAN: tl.constexpr = True):  # fmt: skip
     """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
     (ties: lower block); then a CTA barrier. Returns the SM clock after the bounds and after
-    the radix steps (``CLOCKS``; else zeros)."""
+    the radix steps (``CLOCKS``; else zeros). ``ONE_SCAN``: the scatter's addresses and mask
+    come from one slot tensor (non-chosen blocks get slot KB_PAD >= k); otherwise the mask is
+    ``chosen & (slot < k)``, for which triton 3.6 computes the cumsum twice, in the scatter's
+    layout and in the row's (sm_90, 8 warps: 2472 -> 1912 instructions at 4096 blocks, 1600 ->
+    1256 and 19 -> 17 CTA barriers at 2048; 118 -> 80 registers at 4096)."""
     vmax, floor = _radix_bounds(v, NB_PAD, KB_PAD)
     t_bounds = tl.zeros([], tl.int64)
     t_radix = tl.zeros([], tl.int64)
@@ -216,7 +221,11 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
         chosen = (v > lo) | (eq & (eq_rank <= need))
     chosen = chosen & (k > 0)  # [NB_PAD], k of them
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
-    tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
+    if ONE_SCAN:
+        slot = tl.where(chosen, slot, KB_PAD)  # (exactly k chosen: slots 0 .. k - 1)
+        tl.store(scratch_row + slot, offs_c, mask=slot < k)
+    else:
+        tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
     return t_bounds, t_radix
 
@@ -247,6 +256,7 @@ def select_row(
     EARLY_SCORES: tl.constexpr = False,  # score loads independent of seqlens (cfg)
     clk_ptr=None,  # CLOCKS: [rows, CLOCK_MARKS] int64 out
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
+    ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -285,7 +295,8 @@ def select_row(
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
         t_bounds, t_radix = _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row,
-                                                     RADIX_BITS, NB_PAD, KB_PAD, CLOCKS)  # fmt: skip
+                                                     RADIX_BITS, NB_PAD, KB_PAD, CLOCKS,
+                                                     ONE_SCAN)  # fmt: skip
         if CLOCKS:
             t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
         if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
@@ -347,7 +358,7 @@ def indexer_select_kernel(
     RADIX_BITS: tl.constexpr, IDS_IN_REGS: tl.constexpr, IS_FIRST_PROMPT: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
-    clk_ptr=None, CLOCKS: tl.constexpr = False,
+    clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -356,7 +367,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS,
+        clk_ptr, CLOCKS, ONE_SCAN,
     )  # fmt: skip
 
 
@@ -367,7 +378,9 @@ def indexer_select_kernel(
 # EARLY_SCORES None: on for rows of a subsequent prompt or decode step (they see at least the
 # past's blocks: loading the whole row costs little), off for a first prompt (its early rows see
 # few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None)
+# ONE_SCAN (session 29, sm_90 SASS only, not yet timed; ``_chosen_radix_to_scratch``): one
+# cumsum instead of two for the radix method's scatter; same selections
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -380,14 +393,16 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
     (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
-    H200: -4 to -10% at 256K tokens) and ``num_warps``; ``cfg`` overrides the defaults
+    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_chosen_radix_to_scratch``) and
+    ``num_warps``; ``cfg`` overrides the defaults
     (``SELECT_DEFAULTS``, ``select_num_warps``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
     if "BLOCK_O" not in out:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
-    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES"}
+    unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
+                          "ONE_SCAN"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -397,6 +412,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         raise ValueError(f"select cfg['BLOCK_O'] must be a power of two >= 16, got {bo}")
     cfg_flag(out, "EMIT_2D", what="select cfg")
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
+    cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     return out
 
 
