@@ -313,7 +313,7 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
 #   by one were variants of that session, sparse_early_trigger_ab_h100.json);
 # - two_scan: the select's radix scatter masked by chosen & (slot < k), which triton 3.6 builds
 #   with two cumsums (ONE_SCAN off: the default until session 29, which changed it on sm_90 SASS
-#   evidence alone, 1912 vs 2472 instructions at 4096 blocks);
+#   evidence alone, 1880 vs 2456 instructions at 4096 blocks);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER]]).
 _VARIANTS = {
