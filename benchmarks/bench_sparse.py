@@ -270,10 +270,10 @@ def _layer_step_b(layer, seqlens, t, x):
 
 
 @contextlib.contextmanager
-def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
+def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_warp_from=None):
     """The DSA tier's default config plus ``dsa`` keys, the select kernel's defaults plus
-    ``select`` keys, the merge's ``MERGE_EARLY_O`` and ``_triton_utils.PDL_EARLY_TRIGGER``
-    (None: unchanged) (options not yet a default)."""
+    ``select`` keys, the merge's ``MERGE_EARLY_O`` and ``MERGE_ONE_WARP_FROM`` and
+    ``_triton_utils.PDL_EARLY_TRIGGER`` (None: unchanged) (options not yet a default)."""
     from longattn import _triton_merge, _triton_utils
     from longattn.sparse.triton import decode as dsa_decode
     from longattn.sparse.triton import select as sel_mod
@@ -281,6 +281,9 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
     orig_cfg, orig_sel = dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS
     orig_warps = sel_mod.select_num_warps
     orig_merge, orig_trigger = _triton_merge.MERGE_EARLY_O, _triton_utils.PDL_EARLY_TRIGGER
+    orig_one_warp = _triton_merge.MERGE_ONE_WARP_FROM
+    if merge_one_warp_from is not None:
+        _triton_merge.MERGE_ONE_WARP_FROM = merge_one_warp_from
     if merge_early_o is not None:
         _triton_merge.MERGE_EARLY_O = merge_early_o
     if trigger is not None:
@@ -297,6 +300,7 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
         dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
         sel_mod.select_num_warps = orig_warps
         _triton_merge.MERGE_EARLY_O = orig_merge
+        _triton_merge.MERGE_ONE_WARP_FROM = orig_one_warp
         _triton_utils.PDL_EARLY_TRIGGER = orig_trigger
 
 
@@ -314,8 +318,11 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None):
 # - two_scan: the select's radix scatter masked by chosen & (slot < k), which triton 3.6 builds
 #   with two cumsums (ONE_SCAN off: the default until session 29, which changed it on sm_90 SASS
 #   evidence alone, 1880 vs 2456 instructions at 4096 blocks);
+# - merge_1w: one-warp merge programs from 64 split slots on (_triton_merge.MERGE_ONE_WARP_FROM;
+#   the DSA split plan writes 66 slots at B=1 S=1: 2 CTA barriers instead of 14 in sm_90 SASS);
 # - again: the defaults re-timed (the run's noise).
-# Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER]]).
+# Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
+# MERGE_ONE_WARP_FROM]]]).
 _VARIANTS = {
     "fused": (dict(FUSE_PROLOGUE=True), None),
     "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
@@ -325,6 +332,7 @@ _VARIANTS = {
     "sel_w16": (None, dict(num_warps=16)),
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
     "two_scan": (None, dict(ONE_SCAN=False)),
+    "merge_1w": (None, None, None, None, 64),
     "again": (None, None),
 }
 

@@ -12,6 +12,7 @@ cp.async?", "did the softmax lose an FMUL per logit?").
     python benchmarks/sass.py dsa-decode --set FUSE_PROLOGUE=True,HAS_ROTARY=True,ROT_DIM=128
     python benchmarks/sass.py rms --set HEAD=256,HALF_PAD=128,NUM_HEADS=16,TILE_TABLES=True
     python benchmarks/sass.py indexer-select --set TOPK=True,NB_PAD=1024
+    python benchmarks/sass.py merge --set SPLITS_PAD=128,BLOCK_D=16 --warps 1
 
 Pointer arguments and ``stride_*`` arguments get Triton's runtime divisibility-by-16
 specialization (as real launches of contiguous tensors do); without it every load would look
@@ -126,6 +127,7 @@ def memory_ops(sass: str) -> Counter:
 
 def _presets(cache: str):
     from gluon_wgmma_probe import wgmma_paths_kernel
+    from longattn._triton_merge import merge_splits_kernel
     from longattn.gqa.triton.decode import gqa_decode_split_kernel
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.gqa.triton.prefill_gluon import gqa_prefill_gluon_kernel
@@ -194,6 +196,11 @@ def _presets(cache: str):
                                PDL=False, DOT_PREC="split3"), 4, 1),
         "wgmma-probe": (wgmma_paths_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32"},
                         dict(M=64, N=64, K=256), 4, 1),
+        "merge": (merge_splits_kernel,
+                  {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "sink_ptr": "*fp32",
+                   "o_ptr": "*bf16"},
+                  dict(NUM_HEADS=24, HEAD=256, SPLITS_PAD=128, BLOCK_D=64, HAS_SINK=False,
+                       SINK_FROM_PTR=False, PDL=True, EARLY_O=True), 4, 1),
         "indexer-select": (indexer_select_kernel,
                            {"score_ptr": "*fp32", "clk_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in
                                                      ("seqlens", "scratch", "idx", "cnt")}},
@@ -213,7 +220,7 @@ def _value(text: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=["gqa-prefill", "gqa-prefill-gluon", "gqa-decode", "dsa-decode", "rms", "indexer-score",
-                                       "indexer-select", "wgmma-probe"])  # fmt: skip
+                                       "indexer-select", "merge", "wgmma-probe"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")
     ap.add_argument("--warps", type=int, default=None)

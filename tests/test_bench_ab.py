@@ -127,3 +127,14 @@ def test_layer_two_scan_variant_reaches_the_select_launch():
     with bench_sparse._variant(*bench_sparse._VARIANTS["two_scan"]):
         assert one_scan() is False
     assert one_scan() is True
+
+
+def test_layer_merge_1w_variant_reaches_the_merge_launch():
+    """The "merge_1w" variant turns on one-warp merge programs from 64 split slots on and
+    restores the default (off) afterwards."""
+    from longattn import _triton_merge
+
+    assert _triton_merge.merge_launch(256, 128) == (64, 4)
+    with bench_sparse._variant(*bench_sparse._VARIANTS["merge_1w"]):
+        assert _triton_merge.merge_launch(256, 128) == (16, 1)
+    assert _triton_merge.MERGE_ONE_WARP_FROM is None

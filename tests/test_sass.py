@@ -247,6 +247,22 @@ def test_select_one_scan_build_is_smaller(nb_pad):
     assert bars[0] <= bars[1], bars
 
 
+def test_merge_one_warp_tiles_keep_the_split_reductions_in_the_warp():
+    """``MERGE_ONE_WARP_FROM``'s builds (one warp, ``merge_launch``'s tile) at 128 / 64 split
+    slots, H=256: at most 2 CTA barriers, against 14 / 10 for the 4-warp tiles; no spills."""
+    from longattn import _triton_merge
+
+    for splits_pad, four_warp_bars in ((128, 14), (64, 10)):
+        base_d = _triton_merge.merge_launch(256, splits_pad)[0]
+        base = _sass("merge", "--set", f"SPLITS_PAD={splits_pad},BLOCK_D={base_d}")
+        block_d = _triton_merge.MERGE_WARP_TILE // splits_pad
+        one = _sass("merge", "--set", f"SPLITS_PAD={splits_pad},BLOCK_D={block_d}",
+                    "--warps", "1")  # fmt: skip
+        bars = [r["memory"].get("BAR.SYNC.DEFER_BLOCKING", 0) for r in (one, base)]
+        assert bars[0] <= 2 and bars[1] >= four_warp_bars - 2, bars
+        assert one["stack"] == 0
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register

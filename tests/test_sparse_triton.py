@@ -506,14 +506,19 @@ def test_plan_splits_wave_cap(rows, window, max_sel, block_n, sm_programs):
 @pytest.mark.parametrize("early_o", [False, True])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize(
-    "splits,head,block_d", [(5, 64, 16), (37, 80, 32), (3, 32, 32), (130, 256, None)]
-)
-def test_merge_splits_kernel_tiles(splits, head, block_d, sink, early_o, monkeypatch):
+    "splits,head,block_d,one_warp_from",
+    [(5, 64, 16, None), (37, 80, 32, None), (3, 32, 32, None), (130, 256, None, None),
+     (66, 256, None, 64), (130, 80, None, 64)],
+)  # fmt: skip
+def test_merge_splits_kernel_tiles(splits, head, block_d, one_warp_from, sink, early_o,
+                                   monkeypatch):  # fmt: skip
     """The shared GQA/DSA merge over channel tiles (BLOCK_D < HEAD, a padded last tile; None:
-    the host launcher's own tile, 256-split rows) equals a float64 log-sum-exp merge; an
-    all-empty row gives zeros (or zeros with a sink). Empty slots' o_part is NaN (a split
-    kernel may leave it unwritten): never used, also when loaded (``EARLY_O``)."""
+    the host launcher's own tile, 256-split rows; ``MERGE_ONE_WARP_FROM``: its one-warp tiles)
+    equals a float64 log-sum-exp merge; an all-empty row gives zeros (or zeros with a sink).
+    Empty slots' o_part is NaN (a split kernel may leave it unwritten): never used, also when
+    loaded (``EARLY_O``)."""
     monkeypatch.setattr(_triton_merge, "MERGE_EARLY_O", early_o)
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", one_warp_from)
     g = torch.Generator().manual_seed(splits)
     rn, n = 6, 3
     o_part = torch.randn(rn, splits, head, generator=g, dtype=torch.float64)
@@ -1227,3 +1232,14 @@ def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside(fused, mon
     assert torch.equal(bits(pk[1]), bits(kw["past_key"][1]))
     assert torch.equal(bits(pv[1]), bits(kw["past_value"][1]))
     assert torch.equal(bits(pk[0, :, :19]), bits(kw["past_key"][0, :, :19]))
+
+
+def test_merge_launch_one_warp_tiles(monkeypatch):
+    """``merge_launch``: 4 warps and <= MERGE_TILE values per program by default; with
+    ``MERGE_ONE_WARP_FROM`` one warp and <= MERGE_WARP_TILE values from that many slots on."""
+    launch = _triton_merge.merge_launch
+    assert launch(256, 128) == (64, 4) and launch(128, 16) == (128, 4)
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 64)
+    assert launch(256, 128) == (16, 1) and launch(256, 64) == (32, 1)
+    assert launch(128, 32) == (128, 4)  # below the threshold: unchanged
+    assert launch(64, 4096) == (16, 1)  # never below 16 channels

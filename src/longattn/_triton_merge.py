@@ -29,6 +29,13 @@ MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 # since session 28 as part of the sparse layer's measured "early" options (H100,
 # ``sparse_early_trigger_ab_h100.json``); GQA decode alone: neutral (``gqa_merge_early_o_ab_h100``).
 MERGE_EARLY_O = True
+# From this many split slots (SPLITS_PAD) on, merge programs of ONE warp with [SPLITS_PAD,
+# MERGE_WARP_TILE // SPLITS_PAD] tiles, so the reductions over the split axis stay in the warp
+# (sm_90, H=256: 128 slots 14 -> 2 CTA barriers, 64 slots 10 -> 2; from 32 slots down the
+# 4-warp tiles take <= 4 barriers and fewer instructions). None: off (not yet timed; the DSA
+# split plan writes 66 slots at B=1 S=1, budget 2048). A/B: bench_sparse's "merge_1w" variant.
+MERGE_ONE_WARP_FROM = None
+MERGE_WARP_TILE = 2048  # fp32 values per one-warp program (64 registers per thread)
 
 
 @triton.jit
@@ -79,10 +86,13 @@ def merge_splits_kernel(
     tl.store(o_ptr + rn * HEAD + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
-def merge_block_d(head: int, splits_pad: int) -> int:
-    """Channels per merge program: the ``[SPLITS_PAD, BLOCK_D]`` tile stays <= MERGE_TILE."""
+def merge_launch(head: int, splits_pad: int) -> tuple[int, int]:
+    """``(BLOCK_D, num_warps)`` of the merge programs: 4 warps and tiles of <= MERGE_TILE
+    values, or one warp and <= MERGE_WARP_TILE from ``MERGE_ONE_WARP_FROM`` slots on."""
     head_pad = max(16, next_pow2(head))
-    return max(16, min(head_pad, MERGE_TILE // splits_pad))
+    one_warp = MERGE_ONE_WARP_FROM is not None and splits_pad >= MERGE_ONE_WARP_FROM
+    tile, warps = (MERGE_WARP_TILE, 1) if one_warp else (MERGE_TILE, 4)
+    return max(16, min(head_pad, tile // splits_pad)), warps
 
 
 def merge_splits(
@@ -102,7 +112,7 @@ def merge_splits(
     if rows_n == 0:
         return
     splits_pad = next_pow2(max(splits, 1))  # no split: zeros (den = 0)
-    block_d = merge_block_d(head, splits_pad)
+    block_d, warps = merge_launch(head, splits_pad)
     merge_splits_kernel[(rows_n, cdiv(head, block_d))](
         **pdl_kwargs(o_part),
         o_part_ptr=o_part,
@@ -117,5 +127,5 @@ def merge_splits(
         HAS_SINK=head_sink is not None or smooth_softmax,
         SINK_FROM_PTR=head_sink is not None,
         EARLY_O=MERGE_EARLY_O,
-        num_warps=4,
+        num_warps=warps,
     )
