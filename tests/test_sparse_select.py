@@ -406,8 +406,9 @@ def test_select_early_scores_default(first):
 
 
 def test_select_clocks_argument():
-    """``clocks`` (the select's profiling build) must be ``[rows, CLOCK_MARKS]`` int64; it
-    switches the build's ``CLOCKS`` on, and its absence leaves the kernel's default build."""
+    """``clocks`` (the select's profiling build) must be ``[rows, CLOCK_MARKS]`` int64 on the
+    scores' device; it switches the build's ``CLOCKS`` on, and its absence leaves the kernel's
+    default build. The error states the expected shape in plain numbers."""
     kw = dict(seq_len=1, num_blocks=40, compress_ratio=16, token_budget=64, is_first_prompt=False)
     sc, sk = torch.rand(2, 40), torch.tensor([600, 9], dtype=torch.int32)
     *_, args = select.select_launch_args(sc, sk, **kw)
@@ -415,8 +416,10 @@ def test_select_clocks_argument():
     marks = torch.zeros(2, select.CLOCK_MARKS, dtype=torch.int64)
     *_, args = select.select_launch_args(sc, sk, clocks=marks, **kw)
     assert args["CLOCKS"] is True and args["clk_ptr"] is marks
-    for bad in (torch.zeros(2, 4, dtype=torch.int64), marks.to(torch.int32), marks[:1]):
-        with pytest.raises(ValueError, match="clocks must be"):
+    bads = [torch.zeros(2, 4, dtype=torch.int64), marks.to(torch.int32), marks[:1]]
+    bads.append(torch.zeros(2, select.CLOCK_MARKS, dtype=torch.int64, device="meta"))
+    for bad in bads:
+        with pytest.raises(ValueError, match=r"clocks must be \[2, 5\] int64 on cpu"):
             select.select_launch_args(sc, sk, clocks=bad, **kw)
 
 

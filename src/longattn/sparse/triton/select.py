@@ -342,7 +342,7 @@ def select_row(
     tl.store(cnt_ptr + row, n_sel_tok + trail)
     if CLOCKS:  # CLOCK_MARKS order
         t_end = sm_clock(k)
-        marks = clk_ptr + row * CLOCK_MARKS
+        marks = clk_ptr + row * _CLOCK_MARKS
         tl.store(marks, t_start)
         tl.store(marks + 1, t_bounds)
         tl.store(marks + 2, t_radix)
@@ -384,7 +384,8 @@ SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=T
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
-CLOCK_MARKS = tl.constexpr(5)
+CLOCK_MARKS = 5
+_CLOCK_MARKS = tl.constexpr(CLOCK_MARKS)  # (the kernels' view of it)
 WIDE_EMIT_BLOCKS = 4096  # rows of at least this many blocks (NB_PAD) emit in 4096-wide tiles
 
 
@@ -471,7 +472,7 @@ def select_launch_args(
         seqlens_k: ``[B]`` int32, total length minus one.
         empty: allocator ``(shape, *, dtype, device)`` of the outputs and the scratch.
         cfg: tunables (``select_config``); None: the defaults.
-        clocks: ``[B*S, CLOCK_MARKS]`` int64 on the GPU: the profiling build (``CLOCKS``)
+        clocks: ``[B*S, CLOCK_MARKS]`` int64 on ``seqlens_k``'s device: the profiling build (``CLOCKS``)
             writes each row's phase marks there (``indexer_select_kernel`` only; benchmarks).
     """
     r = compress_ratio
@@ -521,8 +522,9 @@ def select_launch_args(
         **tune,
     )
     if clocks is not None:
-        if clocks.shape != (rows, CLOCK_MARKS) or clocks.dtype != torch.int64:
-            raise ValueError(f"clocks must be [{rows}, {CLOCK_MARKS}] int64, got "
-                             f"{list(clocks.shape)} {clocks.dtype}")  # fmt: skip
+        if (clocks.shape != (rows, CLOCK_MARKS) or clocks.dtype != torch.int64
+                or clocks.device != dev):  # fmt: skip
+            raise ValueError(f"clocks must be [{rows}, {CLOCK_MARKS}] int64 on {dev}, got "
+                             f"{list(clocks.shape)} {clocks.dtype} on {clocks.device}")  # fmt: skip
         args.update(clk_ptr=clocks, CLOCKS=True)
     return idx, cnt, args
