@@ -47,6 +47,12 @@ def _layers(b, s, t):
     ]  # fmt: skip
 
 
+def _scored_layers(b, s, t):
+    """``(seqlens, layers, num_blocks, scores)``: ``_layers`` and every layer's default scores."""
+    seqlens, layers = _layers(b, s, t)
+    return seqlens, layers, layers[0][1].shape[1], [_scores(q, k, seqlens, None) for q, k in layers]
+
+
 def _scores(q, k, seqlens, cfg):
     return ix.indexer_scores(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
                              scale=DI**-0.5, is_first_prompt=False, cfg=cfg)  # fmt: skip
@@ -61,9 +67,7 @@ SELECT_GRID = dict(warps=(8,), bits=(2, 3), block_o=(1024, 4096), emit_2d=(False
 
 
 def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid=None):
-    seqlens, layers = _layers(b, s, t)
-    nb = layers[0][1].shape[1]
-    base = [_scores(q, k, seqlens, None) for q, k in layers]
+    seqlens, layers, nb, base = _scored_layers(b, s, t)
     # S_TILE: rows per program (None: min(16, S), one program per 16 rows; S > 1 also sweeps
     # fewer rows per program, i.e. S / S_TILE times the programs)
     tiles = (None,) if s == 1 else (None, 1, 2, 4)
@@ -124,9 +128,7 @@ def select_phases(b, s, t, rows, budget=BUDGET, reps=20):
     order keys, radix bounds), ``radix`` (the radix steps), ``chosen_scatter`` (chosen flags,
     tie handling, cumsum, scatter to scratch + CTA barrier), ``emit`` (ids reload + emission);
     rows of <= ``select.TOPK_MAX_BLOCKS`` blocks (``tl.topk``) report the total only."""
-    seqlens, layers = _layers(b, s, t)
-    nb = layers[0][1].shape[1]
-    base = [_scores(q, k, seqlens, None) for q, k in layers]
+    seqlens, layers, nb, base = _scored_layers(b, s, t)
     marks = torch.zeros(b * s, sl.CLOCK_MARKS, dtype=torch.int64, device="cuda")
     samples = []
     for _ in range(reps):
@@ -178,7 +180,8 @@ def main(argv=None):
         if args.select_defaults_only:
             sg.update(block_o=(1024,), emit_2d=(True,))
         kernels = args.kernels.split(",")
-        sweep(b, s, int(t), rows, kernels, int(budget), sg)
+        if {"score", "select"} & set(kernels):
+            sweep(b, s, int(t), rows, kernels, int(budget), sg)
         if "select_phases" in kernels:
             select_phases(b, s, int(t), rows, int(budget))
         out = Path(args.out)

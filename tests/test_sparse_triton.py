@@ -1236,10 +1236,15 @@ def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside(fused, mon
 
 def test_merge_launch_one_warp_tiles(monkeypatch):
     """``merge_launch``: 4 warps and <= MERGE_TILE values per program by default; with
-    ``MERGE_ONE_WARP_FROM`` one warp and <= MERGE_WARP_TILE values from that many slots on."""
+    ``MERGE_ONE_WARP_FROM`` one warp and <= MERGE_WARP_TILE values from that many slots on, up
+    to the slots a 16-channel one-warp tile holds (beyond: 4 warps again)."""
     launch = _triton_merge.merge_launch
     assert launch(256, 128) == (64, 4) and launch(128, 16) == (128, 4)
     monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 64)
     assert launch(256, 128) == (16, 1) and launch(256, 64) == (32, 1)
     assert launch(128, 32) == (128, 4)  # below the threshold: unchanged
-    assert launch(64, 4096) == (16, 1)  # never below 16 channels
+    assert launch(256, 256) == (32, 4)  # 16 x 256 values would be twice MERGE_WARP_TILE
+    for head in (64, 80, 128, 256):
+        for pad in (2, 16, 64, 128, 256, 512):
+            block_d, warps = launch(head, pad)
+            assert block_d >= 16 and block_d * pad <= (2048 if warps == 1 else 8192), (head, pad)

@@ -88,9 +88,12 @@ def merge_splits_kernel(
 
 def merge_launch(head: int, splits_pad: int) -> tuple[int, int]:
     """``(BLOCK_D, num_warps)`` of the merge programs: 4 warps and tiles of <= MERGE_TILE
-    values, or one warp and <= MERGE_WARP_TILE from ``MERGE_ONE_WARP_FROM`` slots on."""
+    values, or one warp and <= MERGE_WARP_TILE from ``MERGE_ONE_WARP_FROM`` slots on, up to
+    MERGE_WARP_TILE // 16 slots (a 16-channel tile of more slots would overflow the warp's
+    registers: there the 4-warp tiles stay)."""
     head_pad = max(16, next_pow2(head))
-    one_warp = MERGE_ONE_WARP_FROM is not None and splits_pad >= MERGE_ONE_WARP_FROM
+    one_warp = (MERGE_ONE_WARP_FROM is not None
+                and MERGE_ONE_WARP_FROM <= splits_pad <= MERGE_WARP_TILE // 16)  # fmt: skip
     tile, warps = (MERGE_WARP_TILE, 1) if one_warp else (MERGE_TILE, 4)
     return max(16, min(head_pad, tile // splits_pad)), warps
 
