@@ -320,6 +320,9 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   evidence alone, 1880 vs 2456 instructions at 4096 blocks);
 # - merge_1w: one-warp merge programs from 64 split slots on (_triton_merge.MERGE_ONE_WARP_FROM;
 #   the DSA split plan writes 66 slots at B=1 S=1: 2 CTA barriers instead of 14 in sm_90 SASS);
+# - hist_ids: the radix method's chosen ids by a histogram in registers (select HIST_IDS): no
+#   scatter to the scratch row, CTA barrier and reload (H100 session 30 CLOCKS phases at 4096
+#   blocks: chosen + scatter 2324 cycles, emission incl. the reload 875);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -333,6 +336,7 @@ _VARIANTS = {
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
     "two_scan": (None, dict(ONE_SCAN=False)),
     "merge_1w": (None, None, None, None, 64),
+    "hist_ids": (None, dict(HIST_IDS=True)),
     "again": (None, None),
 }
 

@@ -183,6 +183,29 @@ def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
     _same(layer(kw, "triton"), want)
 
 
+@interpret
+def test_triton_layer_hist_ids_and_one_warp_merge_equal_two_ops(monkeypatch):
+    """The select's HIST_IDS (ids by a histogram, no scratch row) in the select + prologue
+    launch and the one-warp merge programs: the two ops' outputs (defaults)."""
+    kw = make_layer_case(1, **CASES["radix_select"])
+    want = two_ops(kw, "triton")
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, HIST_IDS=True))
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 2)
+    _same(layer(kw, "triton"), want)
+
+
+@gpu
+@pytest.mark.parametrize("case", [dict(b=1, s=1, total=262144), dict(b=4, s=1, total=131072)])
+def test_gpu_layer_hist_ids_and_one_warp_merge_match_two_ops(case, monkeypatch):
+    """HIST_IDS and the one-warp merge at real shapes (4096 / 2048-block rows): the two ops."""
+    kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
+                                        di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
+    want = two_ops(kw, "triton")
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, HIST_IDS=True))
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 64)
+    _same(layer(kw, "triton"), want, exact=False)
+
+
 def _early_options(monkeypatch):
     """EARLY_SCORES, EARLY_CNT, MERGE_EARLY_O and PDL_EARLY_TRIGGER forced on (the defaults
     except for a first prompt's rows; the trigger acts only where PDL is on: the GPU)."""

@@ -194,17 +194,11 @@ def _radix_bounds(v, NB_PAD: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: tl.constexpr,
-                             NB_PAD: tl.constexpr, KB_PAD: tl.constexpr,
-                             CLOCKS: tl.constexpr = False,
-                             ONE_SCAN: tl.constexpr = True):  # fmt: skip
-    """Write the block ids of the k best keys ``v [NB_PAD]`` to ``scratch_row[:k]``, ascending
-    (ties: lower block); then a CTA barrier. Returns the SM clock after the bounds and after
-    the radix steps (``CLOCKS``; else zeros). ``ONE_SCAN``: the scatter's addresses and mask
-    come from one slot tensor (non-chosen blocks get slot KB_PAD >= k); otherwise the mask is
-    ``chosen & (slot < k)``, for which triton 3.6 computes the cumsum twice, in the scatter's
-    layout and in the row's (sm_90, 8 warps: 2456 -> 1880 instructions and 117 -> 80 registers
-    at 4096 blocks; 1616 -> 1272, 56 -> 48 and 19 -> 17 CTA barriers at 2048)."""
+def _chosen_radix(v, k, n_complete, RADIX_BITS: tl.constexpr, NB_PAD: tl.constexpr,
+                  KB_PAD: tl.constexpr, CLOCKS: tl.constexpr = False):  # fmt: skip
+    """Flags ``[NB_PAD]`` of the k best keys ``v [NB_PAD]`` (ties: lower block) by radix
+    select, and the SM clock after the bounds and after the radix steps (``CLOCKS``; else
+    zeros)."""
     vmax, floor = _radix_bounds(v, NB_PAD, KB_PAD)
     t_bounds = tl.zeros([], tl.int64)
     t_radix = tl.zeros([], tl.int64)
@@ -219,7 +213,18 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
         need = k - tl.sum((v > lo).to(tl.int32))  # equal keys to take
         eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
         chosen = (v > lo) | (eq & (eq_rank <= need))
-    chosen = chosen & (k > 0)  # [NB_PAD], k of them
+    return chosen & (k > 0), t_bounds, t_radix  # [NB_PAD], k of them
+
+
+@triton.jit
+def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
+                    ONE_SCAN: tl.constexpr = True):  # fmt: skip
+    """Write the ids of the k ``chosen [NB_PAD]`` blocks to ``scratch_row[:k]``, ascending; then
+    a CTA barrier. ``ONE_SCAN``: the scatter's addresses and mask come from one slot tensor
+    (non-chosen blocks get slot KB_PAD >= k); otherwise the mask is ``chosen & (slot < k)``,
+    for which triton 3.6 computes the cumsum twice, in the scatter's layout and in the row's
+    (sm_90, 8 warps: 2456 -> 1880 instructions and 117 -> 80 registers at 4096 blocks; 1616
+    -> 1272, 56 -> 48 and 19 -> 17 CTA barriers at 2048)."""
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     if ONE_SCAN:
         slot = tl.where(chosen, slot, KB_PAD)  # (exactly k chosen: slots 0 .. k - 1)
@@ -227,7 +232,17 @@ def _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row, RADIX_BITS: 
     else:
         tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
-    return t_bounds, t_radix
+
+
+@triton.jit
+def _chosen_ids_hist(chosen, KB_PAD: tl.constexpr):
+    """Ids ``[KB_PAD]`` of the ``chosen [NB_PAD]`` blocks (at most KB_PAD), ascending, in
+    registers (no scratch round trip): with ``cs`` the inclusive count of chosen blocks, the
+    (s+1)-th chosen block's id is ``#{c : cs[c] <= s}``, a cumsum over the histogram of
+    ``cs`` (entries ``>= KB_PAD`` masked out). Slots ``s >= k`` get NB_PAD."""
+    cs = tl.cumsum(chosen.to(tl.int32), axis=0)  # [NB_PAD] inclusive chosen count
+    hist = tl.histogram(cs, KB_PAD, mask=cs < KB_PAD)  # [KB_PAD] blocks whose count is s
+    return tl.cumsum(hist, axis=0)  # [KB_PAD]
 
 
 @triton.jit
@@ -257,6 +272,7 @@ def select_row(
     clk_ptr=None,  # CLOCKS: [rows, CLOCK_MARKS] int64 out
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
+    HIST_IDS: tl.constexpr = False,  # radix: chosen ids by a histogram, in registers (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -294,12 +310,15 @@ def select_row(
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     else:
-        t_bounds, t_radix = _chosen_radix_to_scratch(v, offs_c, k, n_complete, scratch_row,
-                                                     RADIX_BITS, NB_PAD, KB_PAD, CLOCKS,
-                                                     ONE_SCAN)  # fmt: skip
+        chosen, t_bounds, t_radix = _chosen_radix(v, k, n_complete, RADIX_BITS, NB_PAD, KB_PAD,
+                                                  CLOCKS)  # fmt: skip
+        if HIST_IDS:
+            ids = _chosen_ids_hist(chosen, KB_PAD)  # [KB_PAD]
+        else:
+            _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN)
         if CLOCKS:
-            t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
-        if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
+            t_chosen = sm_clock(k)  # after the chosen ids (scatter + CTA barrier, or histogram)
+        if IDS_IN_REGS and not HIST_IDS:  # one read of the k block ids; the tiles gather them
             slots = tl.arange(0, KB_PAD)  # [KB_PAD]
             ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
 
@@ -313,7 +332,7 @@ def select_row(
         # (names of their own: the loop below carries j / blk / t / val of another shape)
         slot2 = tl.arange(0, KB_PAD)[:, None]  # [KB_PAD, 1] chosen-block slot
         col2 = tl.arange(0, EMIT_R)[None, :]  # [1, EMIT_R] position within the block
-        if TOPK or IDS_IN_REGS:
+        if TOPK or IDS_IN_REGS or HIST_IDS:
             blk2 = ids[:, None]  # [KB_PAD, 1]
         else:
             blk2 = tl.load(scratch_row + slot2, mask=slot2 < k, other=0, cache_modifier=".cg")
@@ -331,7 +350,7 @@ def select_row(
         else:
             sl = j // r
             in_sel = j < n_sel_tok
-            if TOPK or IDS_IN_REGS:
+            if TOPK or IDS_IN_REGS or HIST_IDS:
                 blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
             else:  # one wide tile: its scratch loads are one round trip anyway
                 blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
@@ -359,6 +378,7 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
+    HIST_IDS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -367,7 +387,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN,
+        clk_ptr, CLOCKS, ONE_SCAN, HIST_IDS,
     )  # fmt: skip
 
 
@@ -380,7 +400,10 @@ def indexer_select_kernel(
 # few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
 # ONE_SCAN (session 29, sm_90 SASS only, not yet timed; ``_chosen_radix_to_scratch``): one
 # cumsum instead of two for the radix method's scatter; same selections
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True)
+# HIST_IDS (session 30, not yet timed; ``_chosen_ids_hist``): the radix method's chosen ids by
+# a histogram in registers instead of a scatter to the scratch row, a CTA barrier and a reload
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
+                       HIST_IDS=False)  # fmt: skip
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -394,7 +417,8 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
     (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
-    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_chosen_radix_to_scratch``) and
+    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_scatter_chosen``), ``HIST_IDS``
+    (see ``_chosen_ids_hist``) and
     ``num_warps``; ``cfg`` overrides the defaults
     (``SELECT_DEFAULTS``, ``select_num_warps``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
@@ -403,7 +427,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN"}  # fmt: skip
+                          "ONE_SCAN", "HIST_IDS"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -414,6 +438,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EMIT_2D", what="select cfg")
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
+    cfg_flag(out, "HIST_IDS", False, what="select cfg")
     return out
 
 
@@ -493,7 +518,8 @@ def select_launch_args(
     else:
         stride = scores.stride(0)
     topk = nb_pad <= TOPK_MAX_BLOCKS
-    scratch = idx if topk else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
+    no_scratch = topk or tune["HIST_IDS"]  # ids in registers: no scratch row (idx: unused)
+    scratch = idx if no_scratch else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
     emit_r = emit_ratio(tune, r, kb_pad)
