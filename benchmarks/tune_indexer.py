@@ -120,29 +120,31 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid
 PHASES = ("load_bounds", "radix", "chosen_scatter", "emit")  # between select.CLOCK_MARKS
 
 
-def select_phases(b, s, t, rows, budget=BUDGET, reps=20):
+def select_phases(b, s, t, rows, budget=BUDGET, reps=20, cfg=None):
     """Where the select kernel's time goes: its profiling build (``clocks``: the SM clock at
     ``select.CLOCK_MARKS``) over every layer's scores, ``reps`` eager calls each; the median
     cycles of each phase and of the whole row (start to the last store's issue), beside the
     default build's time in a chained graph. Phases: ``load_bounds`` (seqlens + score loads,
     order keys, radix bounds), ``radix`` (the radix steps), ``chosen_scatter`` (chosen flags,
     tie handling, cumsum, scatter to scratch + CTA barrier), ``emit`` (ids reload + emission);
-    rows of <= ``select.TOPK_MAX_BLOCKS`` blocks (``tl.topk``) report the total only."""
+    rows of <= ``select.TOPK_MAX_BLOCKS`` blocks (``tl.topk``) report the total only. ``cfg``:
+    select tunables (``select.select_config``) of both builds; None: the defaults."""
     seqlens, layers, nb, base = _scored_layers(b, s, t)
     marks = torch.zeros(b * s, sl.CLOCK_MARKS, dtype=torch.int64, device="cuda")
     samples = []
     for _ in range(reps):
         for sc in base:
             sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
-                              token_budget=budget, is_first_prompt=False, clocks=marks)  # fmt: skip
+                              token_budget=budget, is_first_prompt=False, cfg=cfg,
+                              clocks=marks)  # fmt: skip
             samples.append(marks.clone())
     m = torch.stack(samples).double()  # [calls, rows, marks]
     d = m.diff(dim=2)  # [calls, rows, marks - 1]
-    row = dict(kernel="select_phases", B=b, S=s, T=t, budget=budget,
+    row = dict(kernel="select_phases", B=b, S=s, T=t, budget=budget, cfg=cfg,
                total_cycles=float((m[..., -1] - m[..., 0]).median()))  # fmt: skip
     if nb > sl.TOPK_MAX_BLOCKS:
         row.update({f"{n}_cycles": float(d[..., i].median()) for i, n in enumerate(PHASES)})
-    us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb, budget=budget)
+    us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb, cfg, budget=budget)
                             for sc in base], min_time_s=0.05)["median_us"]  # fmt: skip
     row["default_chain_us"] = round(us, 2)
     try:  # the SM clock under load, for cycles -> us (needs pynvml)
@@ -162,6 +164,12 @@ def main(argv=None):
     ap.add_argument("--kernels", default="score,select", help="score, select, select_phases")
     ap.add_argument("--select-warps", default=None, help="e.g. 4,8,16 (default 8)")
     ap.add_argument("--select-bits", default=None, help="e.g. 2 (default 2,3)")
+    ap.add_argument(
+        "--phases-cfgs",
+        default="{}",
+        help="select_phases: JSON list of select cfgs (or one dict), e.g. "
+        "'[{}, {\"HIST_IDS\": true}]'",
+    )
     ap.add_argument(
         "--select-defaults-only",
         action="store_true",
@@ -183,7 +191,9 @@ def main(argv=None):
         if {"score", "select"} & set(kernels):
             sweep(b, s, int(t), rows, kernels, int(budget), sg)
         if "select_phases" in kernels:
-            select_phases(b, s, int(t), rows, int(budget))
+            cfgs = json.loads(args.phases_cfgs)
+            for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
+                select_phases(b, s, int(t), rows, int(budget), cfg=cfg or None)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "tune_indexer.json").write_text(
