@@ -318,14 +318,13 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 # - two_scan: the select's radix scatter masked by chosen & (slot < k), which triton 3.6 builds
 #   with two cumsums (ONE_SCAN off: the default until session 29, which changed it on sm_90 SASS
 #   evidence alone, 1880 vs 2456 instructions at 4096 blocks);
-# - merge_1w: one-warp merge programs from 64 split slots on (_triton_merge.MERGE_ONE_WARP_FROM;
-#   the DSA split plan writes 66 slots at B=1 S=1: 2 CTA barriers instead of 14 in sm_90 SASS);
-# - hist_ids: the radix method's chosen ids by a histogram in registers (select HIST_IDS): no
-#   scatter to the scratch row, CTA barrier and reload (H100 session 30 CLOCKS phases at 4096
-#   blocks: chosen + scatter 2324 cycles, emission incl. the reload 875);
+# - merge_4w: the 4-warp merge programs at every slot count (_triton_merge.MERGE_ONE_WARP_FROM
+#   off; the default until session 30, which timed the one-warp programs from 64 slots on: the
+#   DSA split plan writes 66 slots at B=1 S=1, 2 CTA barriers instead of 14 in sm_90 SASS);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
+MERGE_NEVER = 1 << 30  # a MERGE_ONE_WARP_FROM no slot count reaches (None keeps the default)
 _VARIANTS = {
     "fused": (dict(FUSE_PROLOGUE=True), None),
     "fused168": (dict(FUSE_PROLOGUE=True, maxnreg=168), None),
@@ -335,8 +334,7 @@ _VARIANTS = {
     "sel_w16": (None, dict(num_warps=16)),
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
     "two_scan": (None, dict(ONE_SCAN=False)),
-    "merge_1w": (None, None, None, None, 64),
-    "hist_ids": (None, dict(HIST_IDS=True)),
+    "merge_4w": (None, None, None, None, MERGE_NEVER),
     "again": (None, None),
 }
 

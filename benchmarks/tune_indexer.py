@@ -168,7 +168,7 @@ def main(argv=None):
         "--phases-cfgs",
         default="{}",
         help="select_phases: JSON list of select cfgs (or one dict), e.g. "
-        "'[{}, {\"HIST_IDS\": true}]'",
+        "'[{}, {\"RADIX_BITS\": 3}]'",
     )
     ap.add_argument(
         "--select-defaults-only",

@@ -129,12 +129,12 @@ def test_layer_two_scan_variant_reaches_the_select_launch():
     assert one_scan() is True
 
 
-def test_layer_merge_1w_variant_reaches_the_merge_launch():
-    """The "merge_1w" variant turns on one-warp merge programs from 64 split slots on and
-    restores the default (off) afterwards."""
+def test_layer_merge_4w_variant_reaches_the_merge_launch():
+    """The "merge_4w" variant turns the one-warp merge programs (default from 64 split slots
+    on) off and restores the default afterwards."""
     from longattn import _triton_merge
 
-    assert _triton_merge.merge_launch(256, 128) == (64, 4)
-    with bench_sparse._variant(*bench_sparse._VARIANTS["merge_1w"]):
-        assert _triton_merge.merge_launch(256, 128) == (16, 1)
-    assert _triton_merge.MERGE_ONE_WARP_FROM is None
+    assert _triton_merge.merge_launch(256, 128) == (16, 1)
+    with bench_sparse._variant(*bench_sparse._VARIANTS["merge_4w"]):
+        assert _triton_merge.merge_launch(256, 128) == (64, 4)
+    assert _triton_merge.MERGE_ONE_WARP_FROM == 64

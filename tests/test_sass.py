@@ -253,7 +253,7 @@ def test_merge_one_warp_tiles_keep_the_split_reductions_in_the_warp():
     from longattn import _triton_merge
 
     for splits_pad, four_warp_bars in ((128, 14), (64, 10)):
-        base_d = _triton_merge.merge_launch(256, splits_pad)[0]
+        base_d = _triton_merge.MERGE_TILE // splits_pad  # the 4-warp tile (<= 256 channels)
         base = _sass("merge", "--set", f"SPLITS_PAD={splits_pad},BLOCK_D={base_d}")
         block_d = _triton_merge.MERGE_WARP_TILE // splits_pad
         one = _sass("merge", "--set", f"SPLITS_PAD={splits_pad},BLOCK_D={block_d}",

@@ -184,24 +184,25 @@ def test_triton_layer_early_loads_equal_two_ops(case, monkeypatch):
 
 
 @interpret
-def test_triton_layer_hist_ids_and_one_warp_merge_equal_two_ops(monkeypatch):
-    """The select's HIST_IDS (ids by a histogram, no scratch row) in the select + prologue
-    launch and the one-warp merge programs: the two ops' outputs (defaults)."""
+def test_triton_layer_one_warp_merge_equals_two_ops(monkeypatch):
+    """One-warp merge programs at every slot count (MERGE_ONE_WARP_FROM = 2) in the layer:
+    the two ops' outputs with the 4-warp merge."""
     kw = make_layer_case(1, **CASES["radix_select"])
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", None)
     want = two_ops(kw, "triton")
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, HIST_IDS=True))
     monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 2)
     _same(layer(kw, "triton"), want)
 
 
 @gpu
 @pytest.mark.parametrize("case", [dict(b=1, s=1, total=262144), dict(b=4, s=1, total=131072)])
-def test_gpu_layer_hist_ids_and_one_warp_merge_match_two_ops(case, monkeypatch):
-    """HIST_IDS and the one-warp merge at real shapes (4096 / 2048-block rows): the two ops."""
+def test_gpu_layer_one_warp_merge_matches_two_ops(case, monkeypatch):
+    """The one-warp merge (the default from 64 slots) vs the two ops with the 4-warp merge at
+    real shapes (66 split slots at B=1 S=1)."""
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", None)
     want = two_ops(kw, "triton")
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, HIST_IDS=True))
     monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 64)
     _same(layer(kw, "triton"), want, exact=False)
 

@@ -144,8 +144,6 @@ def _check_grid_case(seed_a, seed_b, b, s, r, budget, seqlens, first, kind):
         dict(EMIT_2D=True, BLOCK_O=4096),
         dict(EMIT_2D=False, EARLY_SCORES=True),
         dict(ONE_SCAN=False),
-        dict(HIST_IDS=True),
-        dict(HIST_IDS=True, EMIT_2D=False, BLOCK_O=4096),
     ],
 )
 @pytest.mark.parametrize("kind", ["ties", "rand"])
@@ -156,9 +154,8 @@ def test_select_options_equal_reference_rule(b, s, r, budget, seqlens, first, ki
     of trailing tokens and -1), with the ids from registers and (BLOCK_O 4096, radix) from the
     scratch row; ``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the
     invisible ones masked after the load); ``ONE_SCAN`` off (the radix scatter masked by
-    ``chosen & (slot < k)``); ``HIST_IDS`` (the radix method's ids by a histogram, in
-    registers, also with the wide 1-D tiles that otherwise read the scratch row): the
-    reference rule's outputs; rows with fewer blocks than k, k = 0, r = 1."""
+    ``chosen & (slot < k)``): the reference rule's outputs; rows with fewer blocks than k,
+    k = 0, r = 1."""
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **options))
     _check_grid_case(29, 5, b, s, r, budget, seqlens, first, kind)
 
@@ -290,23 +287,6 @@ def test_gpu_select_1d_emission_real_sizes(t, b, s, budget, monkeypatch):
     gen = torch.Generator().manual_seed(t + b + s + 1)
     sk = torch.tensor([t - 1, t // 3][:b], dtype=torch.int32, device=DEV)
     for kind in ("rand", "ties"):
-        check_select(_scores(gen, b * s, t // 64 + 1, kind), sk, s=s, r=64, budget=budget)
-
-
-@gpu
-@pytest.mark.parametrize("t", [65536, 262144])
-@pytest.mark.parametrize("b,s", [(1, 1), (2, 8)])
-@pytest.mark.parametrize("budget", [2048, 8192])
-@pytest.mark.parametrize("emit_2d", [True, False])
-def test_gpu_select_hist_ids_real_sizes(t, b, s, budget, emit_2d, monkeypatch):
-    """``HIST_IDS`` (the radix method's ids by ``tl.histogram`` in registers: ballots and
-    shared-memory atomics on the GPU, numpy in the interpreter) matches the reference rule at
-    real row widths (2-D emission, and the 1-D tiles that otherwise read the scratch row)."""
-    opts = dict(HIST_IDS=True, EMIT_2D=emit_2d)
-    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **opts))
-    gen = torch.Generator().manual_seed(t + b + s + 2)
-    sk = torch.tensor([t - 1, t // 3][:b], dtype=torch.int32, device=DEV)
-    for kind in ("rand", "ties", "nan", "equal"):
         check_select(_scores(gen, b * s, t // 64 + 1, kind), sk, s=s, r=64, budget=budget)
 
 

@@ -508,7 +508,7 @@ def test_plan_splits_wave_cap(rows, window, max_sel, block_n, sm_programs):
 @pytest.mark.parametrize(
     "splits,head,block_d,one_warp_from",
     [(5, 64, 16, None), (37, 80, 32, None), (3, 32, 32, None), (130, 256, None, None),
-     (66, 256, None, 64), (130, 80, None, 64)],
+     (66, 256, None, 64), (130, 80, None, 64), (200, 256, None, 64)],
 )  # fmt: skip
 def test_merge_splits_kernel_tiles(splits, head, block_d, one_warp_from, sink, early_o,
                                    monkeypatch):  # fmt: skip
@@ -1235,12 +1235,11 @@ def test_dsa_validate_off_out_of_range_seqlens_writes_nothing_outside(fused, mon
 
 
 def test_merge_launch_one_warp_tiles(monkeypatch):
-    """``merge_launch``: 4 warps and <= MERGE_TILE values per program by default; with
-    ``MERGE_ONE_WARP_FROM`` one warp and <= MERGE_WARP_TILE values from that many slots on, up
-    to the slots a 16-channel one-warp tile holds (beyond: 4 warps again)."""
+    """``merge_launch``: one warp and <= MERGE_WARP_TILE values per program from
+    ``MERGE_ONE_WARP_FROM`` (default 64) slots on, up to the slots a 16-channel one-warp tile
+    holds (beyond: 4 warps again); 4 warps and <= MERGE_TILE values otherwise, or when off."""
     launch = _triton_merge.merge_launch
-    assert launch(256, 128) == (64, 4) and launch(128, 16) == (128, 4)
-    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", 64)
+    assert _triton_merge.MERGE_ONE_WARP_FROM == 64
     assert launch(256, 128) == (16, 1) and launch(256, 64) == (32, 1)
     assert launch(128, 32) == (128, 4)  # below the threshold: unchanged
     assert launch(256, 256) == (32, 4)  # 16 x 256 values would be twice MERGE_WARP_TILE
@@ -1248,3 +1247,5 @@ def test_merge_launch_one_warp_tiles(monkeypatch):
         for pad in (2, 16, 64, 128, 256, 512):
             block_d, warps = launch(head, pad)
             assert block_d >= 16 and block_d * pad <= (2048 if warps == 1 else 8192), (head, pad)
+    monkeypatch.setattr(_triton_merge, "MERGE_ONE_WARP_FROM", None)
+    assert launch(256, 128) == (64, 4) and launch(128, 16) == (128, 4)

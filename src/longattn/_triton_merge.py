@@ -29,12 +29,17 @@ MERGE_TILE = 8192  # fp32 values per program's [SPLITS_PAD, BLOCK_D] tile
 # since session 28 as part of the sparse layer's measured "early" options (H100,
 # ``sparse_early_trigger_ab_h100.json``); GQA decode alone: neutral (``gqa_merge_early_o_ab_h100``).
 MERGE_EARLY_O = True
-# From this many split slots (SPLITS_PAD) on, merge programs of ONE warp with [SPLITS_PAD,
-# MERGE_WARP_TILE // SPLITS_PAD] tiles, so the reductions over the split axis stay in the warp
-# (sm_90, H=256: 128 slots 14 -> 2 CTA barriers, 64 slots 10 -> 2; from 32 slots down the
-# 4-warp tiles take <= 4 barriers and fewer instructions). None: off (not yet timed; the DSA
-# split plan writes 66 slots at B=1 S=1, budget 2048). A/B: bench_sparse's "merge_1w" variant.
-MERGE_ONE_WARP_FROM = None
+# From this many split slots (SPLITS_PAD) on, up to MERGE_WARP_TILE // 16, merge programs of
+# ONE warp with [SPLITS_PAD, MERGE_WARP_TILE // SPLITS_PAD] tiles, so the reductions over the
+# split axis stay in the warp (sm_90, H=256: 128 slots 14 -> 2 CTA barriers, 64 slots 10 -> 2;
+# from 32 slots down the 4-warp tiles take <= 4 barriers and fewer instructions). None: off.
+# Default since session 30 (H100, two same-process runs, bench_sparse layer variant merge_1w,
+# sparse_layer_{ab,hist_merge1w}_session30_h100.json): the DSA op chained (66 slots at B=1
+# S=1, budget 2048) 12.3-12.4 -> 12.0-12.1 us at B=1, 22.2-22.3 -> 21.2-21.3 at B=4; the
+# layer op at B=4 S=1 T=128K / 256K 28.4-29.0 -> 27.7-27.8 / 32.0-32.6 -> 30.7-31.2. GQA
+# decode (bf16 (32, 8) H=128, B=1/8/17/32, T=4K-128K) within 0.3% either way
+# (gqa_merge_one_warp_ab_session30_h100.json).
+MERGE_ONE_WARP_FROM = 64
 MERGE_WARP_TILE = 2048  # fp32 values per one-warp program (64 registers per thread)
 
 

@@ -235,17 +235,6 @@ def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
 
 
 @triton.jit
-def _chosen_ids_hist(chosen, KB_PAD: tl.constexpr):
-    """Ids ``[KB_PAD]`` of the ``chosen [NB_PAD]`` blocks (at most KB_PAD), ascending, in
-    registers (no scratch round trip): with ``cs`` the inclusive count of chosen blocks, the
-    (s+1)-th chosen block's id is ``#{c : cs[c] <= s}``, a cumsum over the histogram of
-    ``cs`` (entries ``>= KB_PAD`` masked out). Slots ``s >= k`` get NB_PAD."""
-    cs = tl.cumsum(chosen.to(tl.int32), axis=0)  # [NB_PAD] inclusive chosen count
-    hist = tl.histogram(cs, KB_PAD, mask=cs < KB_PAD)  # [KB_PAD] blocks whose count is s
-    return tl.cumsum(hist, axis=0)  # [KB_PAD]
-
-
-@triton.jit
 def select_row(
     row,  # query row b * S + s (int64)
     score_ptr,  # [rows, NB] fp32 block scores (score kernel output), row stride stride_sr
@@ -272,7 +261,6 @@ def select_row(
     clk_ptr=None,  # CLOCKS: [rows, CLOCK_MARKS] int64 out
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
-    HIST_IDS: tl.constexpr = False,  # radix: chosen ids by a histogram, in registers (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -312,13 +300,10 @@ def select_row(
     else:
         chosen, t_bounds, t_radix = _chosen_radix(v, k, n_complete, RADIX_BITS, NB_PAD, KB_PAD,
                                                   CLOCKS)  # fmt: skip
-        if HIST_IDS:
-            ids = _chosen_ids_hist(chosen, KB_PAD)  # [KB_PAD]
-        else:
-            _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN)
+        _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN)
         if CLOCKS:
-            t_chosen = sm_clock(k)  # after the chosen ids (scatter + CTA barrier, or histogram)
-        if IDS_IN_REGS and not HIST_IDS:  # one read of the k block ids; the tiles gather them
+            t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
+        if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
             slots = tl.arange(0, KB_PAD)  # [KB_PAD]
             ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
 
@@ -332,7 +317,7 @@ def select_row(
         # (names of their own: the loop below carries j / blk / t / val of another shape)
         slot2 = tl.arange(0, KB_PAD)[:, None]  # [KB_PAD, 1] chosen-block slot
         col2 = tl.arange(0, EMIT_R)[None, :]  # [1, EMIT_R] position within the block
-        if TOPK or IDS_IN_REGS or HIST_IDS:
+        if TOPK or IDS_IN_REGS:
             blk2 = ids[:, None]  # [KB_PAD, 1]
         else:
             blk2 = tl.load(scratch_row + slot2, mask=slot2 < k, other=0, cache_modifier=".cg")
@@ -350,7 +335,7 @@ def select_row(
         else:
             sl = j // r
             in_sel = j < n_sel_tok
-            if TOPK or IDS_IN_REGS or HIST_IDS:
+            if TOPK or IDS_IN_REGS:
                 blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
             else:  # one wide tile: its scratch loads are one round trip anyway
                 blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
@@ -378,7 +363,6 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
-    HIST_IDS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -387,7 +371,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN, HIST_IDS,
+        clk_ptr, CLOCKS, ONE_SCAN,
     )  # fmt: skip
 
 
@@ -400,10 +384,9 @@ def indexer_select_kernel(
 # few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
 # ONE_SCAN (session 29, sm_90 SASS only, not yet timed; ``_chosen_radix_to_scratch``): one
 # cumsum instead of two for the radix method's scatter; same selections
-# HIST_IDS (session 30, not yet timed; ``_chosen_ids_hist``): the radix method's chosen ids by
-# a histogram in registers instead of a scatter to the scratch row, a CTA barrier and a reload
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
-                       HIST_IDS=False)  # fmt: skip
+# (ONE_SCAN timed in session 30, H100, bench_sparse layer variant two_scan: layer op 17.0 vs
+# 17.7 us at B=1 S=1 T=128K, 19.1 vs 20.3 at 256K; sparse_layer_ab_session30_h100.json)
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -417,8 +400,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
     (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
-    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_scatter_chosen``), ``HIST_IDS``
-    (see ``_chosen_ids_hist``) and
+    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_scatter_chosen``) and
     ``num_warps``; ``cfg`` overrides the defaults
     (``SELECT_DEFAULTS``, ``select_num_warps``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
@@ -427,7 +409,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN", "HIST_IDS"}  # fmt: skip
+                          "ONE_SCAN"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -438,7 +420,6 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EMIT_2D", what="select cfg")
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
-    cfg_flag(out, "HIST_IDS", False, what="select cfg")
     return out
 
 
@@ -518,8 +499,7 @@ def select_launch_args(
     else:
         stride = scores.stride(0)
     topk = nb_pad <= TOPK_MAX_BLOCKS
-    no_scratch = topk or tune["HIST_IDS"]  # ids in registers: no scratch row (idx: unused)
-    scratch = idx if no_scratch else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
+    scratch = idx if topk else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
     emit_r = emit_ratio(tune, r, kb_pad)
