@@ -321,6 +321,9 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 # - merge_4w: the 4-warp merge programs at every slot count (_triton_merge.MERGE_ONE_WARP_FROM
 #   off; the default until session 30, which timed the one-warp programs from 64 slots on: the
 #   DSA split plan writes 66 slots at B=1 S=1, 2 CTA barriers instead of 14 in sm_90 SASS);
+# - unpacked: the radix scatter without PACKED_SCATTER (session 30's SASS-only default): its
+#   64-bit pointers and mask change layout through shared memory (6 more CTA barriers at 4096
+#   blocks);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -333,7 +336,8 @@ _VARIANTS = {
     "sel_w4": (None, dict(num_warps=4)),
     "sel_w16": (None, dict(num_warps=16)),
     "late": (dict(EARLY_CNT=False), dict(EARLY_SCORES=False), False, False),
-    "two_scan": (None, dict(ONE_SCAN=False)),
+    "two_scan": (None, dict(ONE_SCAN=False, PACKED_SCATTER=False)),
+    "unpacked": (None, dict(PACKED_SCATTER=False)),
     "merge_4w": (None, None, None, None, MERGE_NEVER),
     "again": (None, None),
 }

@@ -111,9 +111,9 @@ def test_layer_late_variant_reaches_the_launches():
     assert flags() == before
 
 
-def test_layer_two_scan_variant_reaches_the_select_launch():
+def test_layer_scatter_variants_reach_the_select_launch():
     """The "two_scan" variant launches the select with ONE_SCAN off (the pre-session-29
-    scatter) and restores the default afterwards."""
+    scatter), "unpacked" with PACKED_SCATTER off; both restore the defaults afterwards."""
     from longattn.sparse.triton import select as sel_mod
 
     def one_scan():
@@ -121,12 +121,14 @@ def test_layer_two_scan_variant_reaches_the_select_launch():
             torch.rand(1, 40), torch.tensor([600], dtype=torch.int32), seq_len=1,
             num_blocks=40, compress_ratio=16, token_budget=64, is_first_prompt=False,
         )  # fmt: skip
-        return args["ONE_SCAN"]
+        return args["ONE_SCAN"], args["PACKED_SCATTER"]
 
-    assert one_scan() is True
+    assert one_scan() == (True, True)
     with bench_sparse._variant(*bench_sparse._VARIANTS["two_scan"]):
-        assert one_scan() is False
-    assert one_scan() is True
+        assert one_scan() == (False, False)
+    with bench_sparse._variant(*bench_sparse._VARIANTS["unpacked"]):
+        assert one_scan() == (True, False)
+    assert one_scan() == (True, True)
 
 
 def test_layer_merge_4w_variant_reaches_the_merge_launch():

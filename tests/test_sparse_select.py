@@ -144,6 +144,7 @@ def _check_grid_case(seed_a, seed_b, b, s, r, budget, seqlens, first, kind):
         dict(EMIT_2D=True, BLOCK_O=4096),
         dict(EMIT_2D=False, EARLY_SCORES=True),
         dict(ONE_SCAN=False),
+        dict(PACKED_SCATTER=False),
     ],
 )
 @pytest.mark.parametrize("kind", ["ties", "rand"])
@@ -154,8 +155,8 @@ def test_select_options_equal_reference_rule(b, s, r, budget, seqlens, first, ki
     of trailing tokens and -1), with the ids from registers and (BLOCK_O 4096, radix) from the
     scratch row; ``EARLY_SCORES`` (the row's scores loaded without waiting for seqlens, the
     invisible ones masked after the load); ``ONE_SCAN`` off (the radix scatter masked by
-    ``chosen & (slot < k)``): the reference rule's outputs; rows with fewer blocks than k,
-    k = 0, r = 1."""
+    ``chosen & (slot < k)``), ``PACKED_SCATTER`` off (the scatter's own pointers): the
+    reference rule's outputs; rows with fewer blocks than k, k = 0, r = 1."""
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **options))
     _check_grid_case(29, 5, b, s, r, budget, seqlens, first, kind)
 
@@ -373,6 +374,7 @@ def test_score_config_fills_one_wave():
         (dict(BLOCK=64), "unknown keys"),
         (dict(EARLY_SCORES=1), "EARLY_SCORES"),
         (dict(ONE_SCAN=None), "ONE_SCAN"),
+        (dict(PACKED_SCATTER=1), "PACKED_SCATTER"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -386,6 +388,7 @@ def test_select_config_defaults():
     )
     assert select.SELECT_DEFAULTS["EMIT_2D"] is True
     assert select.SELECT_DEFAULTS["ONE_SCAN"] is True
+    assert select.SELECT_DEFAULTS["PACKED_SCATTER"] is True
     # the 2-D emission leaves only the tail to 1-D tiles: 1024 wide at every size
     assert select.select_config(None, 4096, interpret=False)["BLOCK_O"] == 1024
     wide = select.select_config(dict(EMIT_2D=False), 4096, interpret=False)

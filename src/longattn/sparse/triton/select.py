@@ -218,17 +218,29 @@ def _chosen_radix(v, k, n_complete, RADIX_BITS: tl.constexpr, NB_PAD: tl.constex
 
 @triton.jit
 def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
-                    ONE_SCAN: tl.constexpr = True):  # fmt: skip
+                    ONE_SCAN: tl.constexpr = True,
+                    PACKED_SCATTER: tl.constexpr = False):  # fmt: skip
     """Write the ids of the k ``chosen [NB_PAD]`` blocks to ``scratch_row[:k]``, ascending; then
     a CTA barrier. ``ONE_SCAN``: the scatter's addresses and mask come from one slot tensor
     (non-chosen blocks get slot KB_PAD >= k); otherwise the mask is ``chosen & (slot < k)``,
     for which triton 3.6 computes the cumsum twice, in the scatter's layout and in the row's
     (sm_90, 8 warps: 2456 -> 1880 instructions and 117 -> 80 registers at 4096 blocks; 1616
-    -> 1272, 56 -> 48 and 19 -> 17 CTA barriers at 2048)."""
+    -> 1272, 56 -> 48 and 19 -> 17 CTA barriers at 2048). ``PACKED_SCATTER`` (with ONE_SCAN):
+    triton 3.6 stores a data-dependent scatter in a one-value-per-thread layout and converted
+    the row's 64-bit pointers and mask to it through shared memory; packed into one int32 per
+    block, ``(slot << 16) | c``, the pairs take that layout by a reorder-reshape, which moves no
+    data (sm_90, 8 warps, EMIT_2D: 4096 blocks 19 -> 13 CTA barriers, 1925 -> 1829
+    instructions, shared memory 16 -> 1 KB; 2048 blocks 17 -> 13, 1313 -> 1233)."""
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     if ONE_SCAN:
         slot = tl.where(chosen, slot, KB_PAD)  # (exactly k chosen: slots 0 .. k - 1)
-        tl.store(scratch_row + slot, offs_c, mask=slot < k)
+        if PACKED_SCATTER:  # (slot, block) pairs in one int32 (slot <= KB_PAD <= 2**14, c < 2**14)
+            pair = (slot << 16) | offs_c  # [NB_PAD]
+            pair = tl.reshape(pair, pair.shape, can_reorder=True)  # any order: pairs stay whole
+            slot = pair >> 16
+            tl.store(scratch_row + slot, pair & 0xFFFF, mask=slot < k)
+        else:
+            tl.store(scratch_row + slot, offs_c, mask=slot < k)
     else:
         tl.store(scratch_row + slot, offs_c, mask=chosen & (slot < k))  # (exactly k chosen)
     tl.debug_barrier()  # the scratch row is read back by other threads of this program
@@ -261,6 +273,7 @@ def select_row(
     clk_ptr=None,  # CLOCKS: [rows, CLOCK_MARKS] int64 out
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
+    PACKED_SCATTER: tl.constexpr = True,  # radix: the scatter's (slot, block) pairs packed (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -300,7 +313,7 @@ def select_row(
     else:
         chosen, t_bounds, t_radix = _chosen_radix(v, k, n_complete, RADIX_BITS, NB_PAD, KB_PAD,
                                                   CLOCKS)  # fmt: skip
-        _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN)
+        _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN, PACKED_SCATTER)
         if CLOCKS:
             t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
         if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
@@ -363,6 +376,7 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
+    PACKED_SCATTER: tl.constexpr = True,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -371,7 +385,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN,
+        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER,
     )  # fmt: skip
 
 
@@ -386,7 +400,10 @@ def indexer_select_kernel(
 # cumsum instead of two for the radix method's scatter; same selections
 # (ONE_SCAN timed in session 30, H100, bench_sparse layer variant two_scan: layer op 17.0 vs
 # 17.7 us at B=1 S=1 T=128K, 19.1 vs 20.3 at 256K; sparse_layer_ab_session30_h100.json)
-SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True)
+# PACKED_SCATTER (session 30, sm_90 SASS only, not yet timed; ``_scatter_chosen``): the
+# scatter's layout change as a free register reorder of packed (slot, block) pairs
+SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
+                       PACKED_SCATTER=True)  # fmt: skip
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -400,7 +417,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
     (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
-    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` (see ``_scatter_chosen``) and
+    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see ``_scatter_chosen``) and
     ``num_warps``; ``cfg`` overrides the defaults
     (``SELECT_DEFAULTS``, ``select_num_warps``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
@@ -409,7 +426,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN"}  # fmt: skip
+                          "ONE_SCAN", "PACKED_SCATTER"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -420,6 +437,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EMIT_2D", what="select cfg")
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
+    cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
     return out
 
 
