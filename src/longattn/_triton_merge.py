@@ -36,7 +36,7 @@ MERGE_EARLY_O = True
 # Default since session 30 (H100, two same-process runs, bench_sparse layer variant merge_1w,
 # sparse_layer_{ab,hist_merge1w}_session30_h100.json): the DSA op chained (66 slots at B=1
 # S=1, budget 2048) 12.3-12.4 -> 12.0-12.1 us at B=1, 22.2-22.3 -> 21.2-21.3 at B=4; the
-# layer op at B=4 S=1 T=128K / 256K 28.4-29.0 -> 27.7-27.8 / 32.0-32.6 -> 30.7-31.2. GQA
+# layer op at B=4 S=1 T=128K / 256K 28.4-29.0 -> 27.7-27.8 / 31.9-32.6 -> 30.7-31.2. GQA
 # decode (bf16 (32, 8) H=128, B=1/8/17/32, T=4K-128K) within 0.3% either way
 # (gqa_merge_one_warp_ab_session30_h100.json).
 MERGE_ONE_WARP_FROM = 64
