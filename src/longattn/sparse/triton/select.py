@@ -219,7 +219,7 @@ def _chosen_radix(v, k, n_complete, RADIX_BITS: tl.constexpr, NB_PAD: tl.constex
 @triton.jit
 def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
                     ONE_SCAN: tl.constexpr = True,
-                    PACKED_SCATTER: tl.constexpr = False):  # fmt: skip
+                    PACKED_SCATTER: tl.constexpr = True):  # fmt: skip
     """Write the ids of the k ``chosen [NB_PAD]`` blocks to ``scratch_row[:k]``, ascending; then
     a CTA barrier. ``ONE_SCAN``: the scatter's addresses and mask come from one slot tensor
     (non-chosen blocks get slot KB_PAD >= k); otherwise the mask is ``chosen & (slot < k)``,
@@ -234,7 +234,8 @@ def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     if ONE_SCAN:
         slot = tl.where(chosen, slot, KB_PAD)  # (exactly k chosen: slots 0 .. k - 1)
-        if PACKED_SCATTER:  # (slot, block) pairs in one int32 (slot <= KB_PAD <= 2**14, c < 2**14)
+        if PACKED_SCATTER:  # (slot, block) pairs in one int32: slot <= KB_PAD < 2**15, c < 2**16
+            tl.static_assert(KB_PAD < 32768 and chosen.shape[0] <= 65536, "packed scatter bounds")
             pair = (slot << 16) | offs_c  # [NB_PAD]
             pair = tl.reshape(pair, pair.shape, can_reorder=True)  # any order: pairs stay whole
             slot = pair >> 16
@@ -396,10 +397,10 @@ def indexer_select_kernel(
 # EARLY_SCORES None: on for rows of a subsequent prompt or decode step (they see at least the
 # past's blocks: loading the whole row costs little), off for a first prompt (its early rows see
 # few blocks); H100 session 28 in the layer's "early" options (``_triton_utils.PDL_EARLY_TRIGGER``)
-# ONE_SCAN (session 29, sm_90 SASS only, not yet timed; ``_chosen_radix_to_scratch``): one
-# cumsum instead of two for the radix method's scatter; same selections
-# (ONE_SCAN timed in session 30, H100, bench_sparse layer variant two_scan: layer op 17.0 vs
-# 17.7 us at B=1 S=1 T=128K, 19.1 vs 20.3 at 256K; sparse_layer_ab_session30_h100.json)
+# ONE_SCAN (session 29 on sm_90 SASS, ``_scatter_chosen``): one cumsum instead of two for the
+# radix method's scatter; same selections. Timed in session 30 (H100, bench_sparse layer
+# variant two_scan): layer op 17.0 vs 17.7 us at B=1 S=1 T=128K, 19.1 vs 20.3 at 256K
+# (sparse_layer_ab_session30_h100.json)
 # PACKED_SCATTER (session 30, ``_scatter_chosen``): the scatter's layout change as a free
 # register reorder of packed (slot, block) pairs; H100, select alone chained B=1 T=128K / 256K
 # 4.51 -> 4.19 / 5.89 -> 5.22 us (``select_phases_packed_session30_h100.json``)
@@ -418,8 +419,8 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``EMIT_2D`` (the chosen blocks' positions as one 2-D tile, see ``emit_ratio``), ``BLOCK_O``
     (output positions per 1-D emission tile, a power of two >= 16; 1024, or 4096 from
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
-    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see ``_scatter_chosen``) and
-    ``num_warps``; ``cfg`` overrides the defaults
+    H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see
+    ``_scatter_chosen``) and ``num_warps``; ``cfg`` overrides the defaults
     (``SELECT_DEFAULTS``, ``select_num_warps``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
