@@ -13,6 +13,10 @@
   split counts that fill a whole number of waves, and vs the ``BALANCED`` grid (``BAL_CFGS``:
   one wave of resident CTAs taking equal runs of key tiles across pairs), with cuDNN SDPA
   (graph) in the same process.
+- ``gqa_merge``: GQA bf16 decode (same geometry) with the shared merge's one-warp programs
+  (``_triton_merge.MERGE_ONE_WARP_FROM``, the default 64) vs the 4-warp programs everywhere,
+  interleaved twice, one-call graphs and chains, at ``MERGE_SHAPES`` (session 30, H100,
+  ``gqa_merge_one_warp_ab_session30_h100.json``: within 0.3% either way).
 - ``dsa_int8``: DSA with an int8 main cache at budget 8192 (the sparse benchmark's geometry,
   H = 256, (N, KV) = (24, 4), T = 128K), CUDA-graph replays: the default config vs each of
   ``bench_sparse._CACHE_VARIANTS`` (the previous uncapped build, other stage counts and
@@ -165,6 +169,38 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None, cache="bf16") -> list[dict
     return rows
 
 
+MERGE_SHAPES = ((1, 32768), (1, 131072), (8, 32768), (1, 4096), (17, 32768), (32, 4096))
+MERGE_OPTIONS = (("one_warp", None), ("four_warp", 1 << 30))  # (name, MERGE_ONE_WARP_FROM)
+
+
+def gqa_merge_rows(shapes=MERGE_SHAPES) -> list[dict]:
+    """The default (``None``: the module's MERGE_ONE_WARP_FROM) vs the 4-warp merge (a
+    threshold no slot count reaches), interleaved twice per shape."""
+    from longattn import _triton_merge
+
+    default = _triton_merge.MERGE_ONE_WARP_FROM
+    rows = []
+    for b, t in shapes:
+        dt = torch.bfloat16
+        sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
+        fn = gqa._decode_fn(p)
+        chain_sets = gqa._chain_sets(sets, b, t, dt)
+        row = dict(section="gqa_merge", B=b, T=t, one_warp_from=default)
+        try:
+            for rep in (1, 2):
+                for name, value in MERGE_OPTIONS:
+                    _triton_merge.MERGE_ONE_WARP_FROM = default if value is None else value
+                    row[f"{name}{rep}_graph_us"] = gqa._graph_time_or_none(fn, sets)
+                    row[f"{name}{rep}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
+        finally:
+            _triton_merge.MERGE_ONE_WARP_FROM = default
+        print(row, flush=True)
+        rows.append(row)
+        del sets, chain_sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def dsa_int8_rows(quick: bool) -> list[dict]:
     rows = []
     t, budget = 131072, 8192
@@ -192,7 +228,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=1 rows only")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves")
+    ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves, gqa_merge")
     ap.add_argument("--wave-shapes", default=None, help="gqa_waves: BxT list, e.g. 32x4096")
     ap.add_argument("--wave-cfgs", default=None, help="gqa_waves: WAVE_CFGS names to run")
     ap.add_argument(
@@ -214,6 +250,8 @@ def main(argv=None) -> int:
         rows += gqa_wave_rows(shapes, names, args.wave_cache)
     if "gqa_fused" in sections:
         rows += gqa_fused_rows(args.quick)
+    if "gqa_merge" in sections:
+        rows += gqa_merge_rows(MERGE_SHAPES[:1] if args.quick else MERGE_SHAPES)
     if "dsa_int8" in sections:
         rows += dsa_int8_rows(args.quick)
     notes = ["Same-process CUDA-graph replays (median over rotated input sets); see the module "

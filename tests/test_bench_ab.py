@@ -25,6 +25,30 @@ def test_ab_variants_are_the_pending_options():
         assert launch.decode_config(128, torch.bfloat16, dt, False)["FUSE_PROLOGUE"] is True
 
 
+def test_gqa_merge_rows_toggle_the_merge_and_restore_it(monkeypatch):
+    """gqa_merge times the default (one-warp merge from 64 slots) and the 4-warp merge (a
+    threshold no slot count reaches) and restores the module's value, also on an error."""
+    from longattn import _triton_merge
+
+    seen = []
+    monkeypatch.setattr(bench_gqa, "_decode_sets", lambda *a: ([None], None))
+    monkeypatch.setattr(bench_gqa, "_decode_set_count", lambda *a: 1)
+    monkeypatch.setattr(bench_gqa, "_decode_fn", lambda p: None)
+    monkeypatch.setattr(bench_gqa, "_chain_sets", lambda *a: None)
+    monkeypatch.setattr(bench_gqa, "_chain_time_or_none", lambda fn, s: 1.0)
+
+    def graph(fn, sets):
+        seen.append(_triton_merge.merge_launch(256, 128))
+        return 1.0
+
+    monkeypatch.setattr(bench_gqa, "_graph_time_or_none", graph)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = ab.gqa_merge_rows(((1, 4096),))
+    assert seen == [(16, 1), (64, 4)] * 2
+    assert rows[0]["one_warp1_graph_us"] == 1.0 and rows[0]["four_warp2_chain_us"] == 1.0
+    assert _triton_merge.MERGE_ONE_WARP_FROM == 64
+
+
 def test_wave_rows_best_graph_is_ours_not_the_peer():
     # B=17 T=32K of gqa_waves_b17_24_h100.json: cuDNN was fastest; best_graph used to be the
     # peer's own column, so best_graph_vs_cudnn read 1.0.
