@@ -170,7 +170,8 @@ def gqa_wave_rows(shapes=WAVE_SHAPES, cfg_names=None, cache="bf16") -> list[dict
 
 
 MERGE_SHAPES = ((1, 32768), (1, 131072), (8, 32768), (1, 4096), (17, 32768), (32, 4096))
-MERGE_OPTIONS = (("one_warp", None), ("four_warp", 1 << 30))  # (name, MERGE_ONE_WARP_FROM)
+# (name, MERGE_ONE_WARP_FROM; None: the module's default)
+MERGE_OPTIONS = (("one_warp", None), ("four_warp", sparse.MERGE_NEVER))
 
 
 def gqa_merge_rows(shapes=MERGE_SHAPES) -> list[dict]:

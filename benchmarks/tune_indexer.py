@@ -176,6 +176,9 @@ def main(argv=None):
         help="select: BLOCK_O 1024 and EMIT_2D only (the defaults)",
     )
     args = ap.parse_args(argv)
+    phases_cfgs = json.loads(args.phases_cfgs)  # parsed once, before any GPU work
+    if not isinstance(phases_cfgs, list):
+        phases_cfgs = [phases_cfgs]
     rows = []
     runs = itertools.product(args.configs.split(","), args.T.split(","), args.budgets.split(","))
     for c, t, budget in runs:
@@ -191,8 +194,7 @@ def main(argv=None):
         if {"score", "select"} & set(kernels):
             sweep(b, s, int(t), rows, kernels, int(budget), sg)
         if "select_phases" in kernels:
-            cfgs = json.loads(args.phases_cfgs)
-            for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
+            for cfg in phases_cfgs:
                 select_phases(b, s, int(t), rows, int(budget), cfg=cfg or None)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -46,6 +47,16 @@ def test_gqa_merge_rows_toggle_the_merge_and_restore_it(monkeypatch):
     rows = ab.gqa_merge_rows(((1, 4096),))
     assert seen == [(16, 1), (64, 4)] * 2
     assert rows[0]["one_warp1_graph_us"] == 1.0 and rows[0]["four_warp2_chain_us"] == 1.0
+    assert _triton_merge.MERGE_ONE_WARP_FROM == 64
+
+    def fails_in_four_warp(fn, sets):
+        if _triton_merge.merge_launch(256, 128)[1] == 4:
+            raise RuntimeError("timing failed")
+        return 1.0
+
+    monkeypatch.setattr(bench_gqa, "_graph_time_or_none", fails_in_four_warp)
+    with pytest.raises(RuntimeError, match="timing failed"):
+        ab.gqa_merge_rows(((1, 4096),))
     assert _triton_merge.MERGE_ONE_WARP_FROM == 64
 
 
