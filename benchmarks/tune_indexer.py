@@ -179,6 +179,10 @@ def main(argv=None):
     phases_cfgs = json.loads(args.phases_cfgs)  # parsed once, before any GPU work
     if not isinstance(phases_cfgs, list):
         phases_cfgs = [phases_cfgs]
+    if not all(isinstance(c, dict) for c in phases_cfgs):
+        raise ValueError(
+            f"--phases-cfgs must be a JSON object or a list of them, got {args.phases_cfgs!r}"
+        )
     rows = []
     runs = itertools.product(args.configs.split(","), args.T.split(","), args.budgets.split(","))
     for c, t, budget in runs:
