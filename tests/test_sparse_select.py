@@ -32,15 +32,22 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4"])
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1"])
 def method(request, monkeypatch):
-    """Both select methods on every row width (the host picks by NB_PAD), the radix one at
-    each ``RADIX_BITS``."""
+    """The select methods on every row width (the host picks by NB_PAD): top-k, radix at each
+    ``RADIX_BITS``, rank (``RANK_SELECT``, every budget) with capacity ``4 * KB_PAD`` and
+    ``KB_PAD`` (``rank_cap1``: rows of more candidates take the radix steps from the rank
+    floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
-    if not topk:
-        over = dict(RADIX_BITS=int(request.param[5]))
+    if request.param.startswith("radix"):
+        over = dict(RADIX_BITS=int(request.param[5]), RANK_SELECT=False)
         monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
+    elif request.param.startswith("rank"):
+        over = dict(RADIX_BITS=2, RANK_SELECT=True)
+        over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 4
+        monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
+        monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     return request.param
 
 

@@ -207,13 +207,75 @@ def _chosen_radix(v, k, n_complete, RADIX_BITS: tl.constexpr, NB_PAD: tl.constex
     lo, n_ge = _kth_largest(v, k, tl.where(k > 0, n_complete, 0), vmax, floor, RADIX_BITS)
     if CLOCKS:
         t_radix = sm_clock(lo)
+    return _chosen_from_lo(v, k, lo, n_ge), t_bounds, t_radix  # [NB_PAD], k of them
+
+
+@triton.jit
+def _chosen_from_lo(v, k, lo, n_ge):
+    """Flags ``[NB_PAD]`` of the k best keys from ``_kth_largest``'s ``(lo, n_ge)``."""
     chosen = v >= lo  # [NB_PAD]: exactly the k best when n_ge == k (the usual exit)
     if n_ge > k:  # lo is the k-th key and ties it (n_ge may be a bound): lowest block ids first
         eq = v == lo  # [NB_PAD] (v = -1 never equals lo >= 0)
         need = k - tl.sum((v > lo).to(tl.int32))  # equal keys to take
         eq_rank = tl.cumsum(eq.to(tl.int32), axis=0)  # [NB_PAD] inclusive rank among equals
         chosen = (v > lo) | (eq & (eq_rank <= need))
-    return chosen & (k > 0), t_bounds, t_radix  # [NB_PAD], k of them
+    return chosen & (k > 0)  # [NB_PAD], k of them
+
+
+@triton.jit
+def _max2(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+
+@triton.jit
+def _desc_rank(u):
+    """Rank of each of the distinct keys ``u [N]`` in descending order: ``#(u_j > u_i)``."""
+    return tl.sum((u[None, :] > u[:, None]).to(tl.int32), axis=1)  # [N] (an [N, N] tile)
+
+
+@triton.jit
+def _rank_bounds(v, k, NB_PAD: tl.constexpr, G: tl.constexpr):
+    """``(vmax, floor)`` of the keys ``v [NB_PAD]`` for the rank method: the largest key and
+    the k-th largest of the maxima of the ``G >= KB_PAD >= k`` strided groups ``c = g (mod
+    G)``. The k groups of the best maxima each hold a key ``>= floor``, so ``floor`` is at most
+    the k-th largest key (at least k groups hold a counted key: every group when
+    ``n_complete > G``, else one per visible block). On distinct keys about 1.3 k keys are
+    ``>= floor`` at G = 2 k (i.i.d. keys, 2048 / 4096 blocks: median 43, 99th percentile 55,
+    max 64 of 2000 rows at k = 32), against ~3.8 k for the least of k group maxima."""
+    gmax = tl.max(tl.reshape(v, [NB_PAD // G, G]), 0)  # [G] group maxima (-1: empty group)
+    g = tl.arange(0, G)  # [G]
+    u = (gmax.to(tl.int64) << 16) | (G - 1 - g)  # [G] distinct: higher max, then lower group
+    kth = tl.where(_desc_rank(u) == k - 1, gmax, -1)  # [G] the k-th largest maximum, else -1
+    vmax, floor = tl.reduce((gmax, kth), 0, _max2)
+    return vmax, tl.maximum(floor, 0)  # k = 0: no key is counted (floor 0 > v = -1)
+
+
+@triton.jit
+def _rank_ids(v, offs_c, k, n_c, floor, scratch_row, CAP: tl.constexpr, KB_PAD: tl.constexpr):
+    """Block ids ``[KB_PAD]`` of the k best keys ``v [NB_PAD]`` (ties: lower block), ascending,
+    then zeros, when ``n_c = #(v >= floor) <= CAP``: the candidates ``v >= floor`` are
+    compacted in block order to ``scratch_row`` (as int64 ``v << 32 | (CAP - 1 - j) << 16 |
+    c``, j the candidate's place; a cumsum, one scatter, a CTA barrier, one read), ranked by one
+    ``[CAP, CAP]`` comparison of those distinct keys (descending key, then ascending place),
+    and the k of rank < k take their slots by a cumsum over ``[CAP]``; the ids are gathered by
+    a ``[KB_PAD, CAP]`` select. Replaces the radix steps (each a CTA reduction over the row)."""
+    tl.static_assert(CAP < 32768 and v.shape[0] <= 65536, "rank select packing bounds")
+    cand = v >= floor  # [NB_PAD] (v = -1 never: floor >= 0)
+    place = tl.cumsum(cand.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
+    key = (v.to(tl.int64) << 32) | ((CAP - 1 - place).to(tl.int64) << 16) | offs_c
+    key = tl.where(cand, key, -1)  # [NB_PAD] (place < n_c <= CAP where cand)
+    key = tl.reshape(key, key.shape, can_reorder=True)  # the scatter's layout (PACKED_SCATTER)
+    scratch64 = scratch_row.to(tl.pointer_type(tl.int64))
+    tl.store(scratch64 + (CAP - 1 - ((key >> 16) & 0xFFFF)), key, mask=key >= 0)
+    tl.debug_barrier()  # the compacted row is read back by other threads of this program
+    j = tl.arange(0, CAP)  # [CAP] candidate places
+    u = tl.load(scratch64 + j, mask=j < n_c, other=-1)  # [CAP] distinct (L1: read in 2 layouts)
+    chosen = _desc_rank(u) < k  # [CAP]: k of them (n_c >= k; empty places rank last)
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [CAP] ascending block order
+    slot = tl.where(chosen, slot, KB_PAD)
+    ids = tl.where(slot[None, :] == tl.arange(0, KB_PAD)[:, None],
+                   (u & 0xFFFF).to(tl.int32)[None, :], 0)  # fmt: skip
+    return tl.sum(ids, axis=1)  # [KB_PAD]
 
 
 @triton.jit
@@ -275,6 +337,8 @@ def select_row(
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
     PACKED_SCATTER: tl.constexpr = True,  # radix: the scatter's (slot, block) pairs packed (cfg)
+    RANK_G: tl.constexpr = 0,  # rank method (RANK_CAP > 0): strided groups of its floor
+    RANK_CAP: tl.constexpr = 0,  # > 0: rank method for rows of <= RANK_CAP candidates (cfg)
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -309,8 +373,26 @@ def select_row(
     t_bounds = tl.zeros([], tl.int64)
     t_radix = tl.zeros([], tl.int64)
     t_chosen = tl.zeros([], tl.int64)
+    IDS_REGS: tl.constexpr = TOPK or IDS_IN_REGS or RANK_CAP > 0  # ids [KB_PAD] in registers
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
+    elif RANK_CAP > 0:  # the radix method's row widths, ranked candidates above a tight floor
+        vmax, floor = _rank_bounds(v, k, NB_PAD, RANK_G)
+        if CLOCKS:
+            t_bounds = sm_clock(vmax)
+        n_c = tl.sum((v >= floor).to(tl.int32))  # candidates (>= k)
+        if CLOCKS:
+            t_radix = sm_clock(n_c)
+        if n_c <= RANK_CAP:
+            ids = _rank_ids(v, offs_c, k, n_c, floor, scratch_row, RANK_CAP, KB_PAD)
+        else:  # too many candidates (ties, adversarial rows): radix steps from the same floor
+            lo, n_ge = _kth_largest(v, k, n_c, vmax, floor, RADIX_BITS)
+            chosen = _chosen_from_lo(v, k, lo, n_ge)
+            _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN, PACKED_SCATTER)
+            slots = tl.arange(0, KB_PAD)  # [KB_PAD]
+            ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
+        if CLOCKS:
+            t_chosen = sm_clock(k)  # the chosen ids in registers
     else:
         chosen, t_bounds, t_radix = _chosen_radix(v, k, n_complete, RADIX_BITS, NB_PAD, KB_PAD,
                                                   CLOCKS)  # fmt: skip
@@ -331,7 +413,7 @@ def select_row(
         # (names of their own: the loop below carries j / blk / t / val of another shape)
         slot2 = tl.arange(0, KB_PAD)[:, None]  # [KB_PAD, 1] chosen-block slot
         col2 = tl.arange(0, EMIT_R)[None, :]  # [1, EMIT_R] position within the block
-        if TOPK or IDS_IN_REGS:
+        if IDS_REGS:
             blk2 = ids[:, None]  # [KB_PAD, 1]
         else:
             blk2 = tl.load(scratch_row + slot2, mask=slot2 < k, other=0, cache_modifier=".cg")
@@ -349,7 +431,7 @@ def select_row(
         else:
             sl = j // r
             in_sel = j < n_sel_tok
-            if TOPK or IDS_IN_REGS:
+            if IDS_REGS:
                 blk = tl.gather(ids, tl.minimum(sl, KB_PAD - 1), 0)  # [BLOCK_O]
             else:  # one wide tile: its scratch loads are one round trip anyway
                 blk = tl.load(scratch_row + sl, mask=in_sel & (j < max_selected), other=0,
@@ -377,7 +459,7 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
-    PACKED_SCATTER: tl.constexpr = True,
+    PACKED_SCATTER: tl.constexpr = True, RANK_G: tl.constexpr = 0, RANK_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -386,7 +468,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER,
+        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, RANK_G, RANK_CAP,
     )  # fmt: skip
 
 
@@ -404,8 +486,12 @@ def indexer_select_kernel(
 # PACKED_SCATTER (session 30, ``_scatter_chosen``): the scatter's layout change as a free
 # register reorder of packed (slot, block) pairs; H100, select alone chained B=1 T=128K / 256K
 # 4.51 -> 4.19 / 5.89 -> 5.22 us (``select_phases_packed_session30_h100.json``)
+# RANK_SELECT (session 31, ``_rank_ids``): rows of the radix method's widths with a budget of
+# at most RANK_MAX_KB_PAD blocks rank the candidates above a tight floor (``_rank_bounds``)
+# instead of running radix steps; RANK_CAP_MULT * KB_PAD candidates at most (else the steps)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
-                       PACKED_SCATTER=True)  # fmt: skip
+                       PACKED_SCATTER=True, RANK_SELECT=False, RANK_CAP_MULT=4)  # fmt: skip
+RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the [CAP, CAP] rank grows as k^2)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -421,14 +507,14 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
     H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see
     ``_scatter_chosen``) and ``num_warps``; ``cfg`` overrides the defaults
-    (``SELECT_DEFAULTS``, ``select_num_warps``)."""
+    (``SELECT_DEFAULTS``, ``select_num_warps``); ``RANK_SELECT`` (see ``rank_geometry``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
     if "BLOCK_O" not in out:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN", "PACKED_SCATTER"}  # fmt: skip
+                          "ONE_SCAN", "PACKED_SCATTER", "RANK_SELECT", "RANK_CAP_MULT"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -440,7 +526,22 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
+    cfg_flag(out, "RANK_SELECT", False, what="select cfg")
+    if out.get("RANK_CAP_MULT", 4) not in (1, 2, 4, 8):
+        raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
+                         f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
     return out
+
+
+def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int]:
+    """``(RANK_G, RANK_CAP)`` of the select launch: ``(0, 0)`` unless ``cfg["RANK_SELECT"]``
+    asks for the rank method and it applies (a radix-width row, ``KB_PAD <=
+    RANK_MAX_KB_PAD``): then ``2 * KB_PAD`` floor groups and ``cfg["RANK_CAP_MULT"] *
+    KB_PAD`` candidates, both at most the row (``NB_PAD``)."""
+    if not cfg.get("RANK_SELECT", False) or topk or kb_pad > RANK_MAX_KB_PAD:
+        return 0, 0
+    cap = min(cfg.get("RANK_CAP_MULT", 4) * kb_pad, nb_pad)
+    return min(2 * kb_pad, nb_pad), max(kb_pad, cap)
 
 
 EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
@@ -519,11 +620,16 @@ def select_launch_args(
     else:
         stride = scores.stride(0)
     topk = nb_pad <= TOPK_MAX_BLOCKS
-    scratch = idx if topk else empty((rows, max(kb, 1)), dtype=torch.int32, device=dev)
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
+    rank_g, rank_cap = rank_geometry(tune, topk, kb_pad, nb_pad)
+    # radix: the chosen ids (int32 [kb]); rank: also the candidates (int64 [RANK_CAP])
+    width = max(kb, 2 * rank_cap, 1)
+    scratch = idx if topk else empty((rows, width + width % 2), dtype=torch.int32, device=dev)
     emit_r = emit_ratio(tune, r, kb_pad)
     tune.pop("EMIT_2D", None)
+    tune.pop("RANK_SELECT", None)
+    tune.pop("RANK_CAP_MULT", None)
     if tune.get("EARLY_SCORES") is None:
         tune["EARLY_SCORES"] = not is_first_prompt
     args = dict(
@@ -545,6 +651,8 @@ def select_launch_args(
         IDS_IN_REGS=tune["BLOCK_O"] < WIDE_EMIT_BLOCKS,
         IS_FIRST_PROMPT=is_first_prompt,
         EMIT_R=emit_r,
+        RANK_G=rank_g,
+        RANK_CAP=rank_cap,
         **tune,
     )
     if clocks is not None:
