@@ -146,14 +146,14 @@ def select_phases(b, s, t, rows, budget=BUDGET, reps=20, cfg=None):
         row.update({f"{n}_cycles": float(d[..., i].median()) for i, n in enumerate(PHASES)})
     us = graph_bench_chain([lambda sc=sc: _select(sc, seqlens, s, nb, cfg, budget=budget)
                             for sc in base], min_time_s=0.05)["median_us"]  # fmt: skip
-    row["default_chain_us"] = round(us, 2)  # (the chained time of the cfg's default build)
+    row["default_chain_us"] = round(us, 2)  # the cfg's build without CLOCKS, chained
     row["same"] = all(  # the cfg's selections equal the defaults' on every layer
         torch.equal(a, b2)
         for sc in base
         for a, b2 in zip(
             _select(sc, seqlens, s, nb, cfg, budget=budget),
             _select(sc, seqlens, s, nb, None, budget=budget),
-        )  # fmt: skip
+        )
     )
     try:  # the SM clock under load, for cycles -> us (needs pynvml)
         row["sm_clock_mhz"] = torch.cuda.clock_rate()
