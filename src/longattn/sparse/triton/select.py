@@ -229,8 +229,11 @@ def _max2(a0, a1, b0, b1):
 
 @triton.jit
 def _desc_rank(u):
-    """Rank of each of the distinct keys ``u [N]`` in descending order: ``#(u_j > u_i)``."""
-    return tl.sum((u[None, :] > u[:, None]).to(tl.int32), axis=1)  # [N] (an [N, N] tile)
+    """Rank of each of the distinct keys ``u [N]`` in descending order: ``#(u_j > u_i)``, j
+    along axis 0 of an ``[N, N]`` tile: triton 3.6's default tile layout puts a column's rows
+    in one thread (then a few warps), so the sum runs in registers (along axis 1 it took five
+    shuffle levels per row, sm_90, 8 warps)."""
+    return tl.sum((u[:, None] > u[None, :]).to(tl.int32), axis=0)  # [N]
 
 
 @triton.jit
@@ -258,7 +261,7 @@ def _rank_ids(v, offs_c, k, n_c, floor, scratch_row, CAP: tl.constexpr, KB_PAD: 
     c``, j the candidate's place; a cumsum, one scatter, a CTA barrier, one read), ranked by one
     ``[CAP, CAP]`` comparison of those distinct keys (descending key, then ascending place),
     and the k of rank < k take their slots by a cumsum over ``[CAP]``; the ids are gathered by
-    a ``[KB_PAD, CAP]`` select. Replaces the radix steps (each a CTA reduction over the row)."""
+    a ``[CAP, KB_PAD]`` select. Replaces the radix steps (each a CTA reduction over the row)."""
     tl.static_assert(CAP < 32768 and v.shape[0] <= 65536, "rank select packing bounds")
     cand = v >= floor  # [NB_PAD] (v = -1 never: floor >= 0)
     place = tl.cumsum(cand.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
@@ -273,9 +276,9 @@ def _rank_ids(v, offs_c, k, n_c, floor, scratch_row, CAP: tl.constexpr, KB_PAD: 
     chosen = _desc_rank(u) < k  # [CAP]: k of them (n_c >= k; empty places rank last)
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [CAP] ascending block order
     slot = tl.where(chosen, slot, KB_PAD)
-    ids = tl.where(slot[None, :] == tl.arange(0, KB_PAD)[:, None],
-                   (u & 0xFFFF).to(tl.int32)[None, :], 0)  # fmt: skip
-    return tl.sum(ids, axis=1)  # [KB_PAD]
+    ids = tl.where(slot[:, None] == tl.arange(0, KB_PAD)[None, :],
+                   (u & 0xFFFF).to(tl.int32)[:, None], 0)  # fmt: skip
+    return tl.sum(ids, axis=0)  # [KB_PAD] (candidates along axis 0, as in _desc_rank)
 
 
 @triton.jit
