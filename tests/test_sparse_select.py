@@ -32,22 +32,24 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1"])
+@pytest.fixture(
+    params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "cradix", "cradix_cap1"]
+)
 def method(request, monkeypatch):
     """The select methods on every row width (the host picks by NB_PAD): top-k, radix at each
-    ``RADIX_BITS``, rank (``RANK_SELECT``, every budget) with capacity ``4 * KB_PAD`` and
-    ``KB_PAD`` (``rank_cap1``: rows of more candidates take the radix steps from the rank
-    floor)."""
+    ``RADIX_BITS``, the compacted candidates (``COMPACT_SELECT``, every budget) ranked
+    (``rank``) or radix-selected (``cradix``) at their default capacity and at ``KB_PAD``
+    (``_cap1``: rows of more candidates take the radix steps from the floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
+    over = dict(COMPACT_SELECT=None)
     if request.param.startswith("radix"):
-        over = dict(RADIX_BITS=int(request.param[5]), RANK_SELECT=False)
-        monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
-    elif request.param.startswith("rank"):
-        over = dict(RADIX_BITS=2, RANK_SELECT=True)
-        over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 4
-        monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
-        monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
+        over.update(RADIX_BITS=int(request.param[5]))
+    elif not topk:
+        over.update(RADIX_BITS=2, COMPACT_SELECT="rank" if "rank" in request.param else "radix")
+        over["COMPACT_CAP_MULT"] = 1 if request.param.endswith("_cap1") else None
+        monkeypatch.setattr(select, "COMPACT_MAX_KB_PAD", 1 << 30)
+    monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
 
 

@@ -62,6 +62,7 @@ from ..._triton_utils import (
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 TOPK_MAX_BLOCKS = 1024  # rows up to this NB_PAD take the tl.topk method (see step 3)
 _NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
+COMPACT_RANK = tl.constexpr(1)  # COMPACT: rank the compacted candidates (else 2: radix steps)
 
 
 @triton.jit
@@ -254,15 +255,12 @@ def _rank_bounds(v, k, NB_PAD: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _rank_ids(v, offs_c, k, n_c, floor, scratch_row, CAP: tl.constexpr, KB_PAD: tl.constexpr):
-    """Block ids ``[KB_PAD]`` of the k best keys ``v [NB_PAD]`` (ties: lower block), ascending,
-    then zeros, when ``n_c = #(v >= floor) <= CAP``: the candidates ``v >= floor`` are
-    compacted in block order to ``scratch_row`` (as int64 ``v << 32 | (CAP - 1 - j) << 16 |
-    c``, j the candidate's place; a cumsum, one scatter, a CTA barrier, one read), ranked by one
-    ``[CAP, CAP]`` comparison of those distinct keys (descending key, then ascending place),
-    and the k of rank < k take their slots by a cumsum over ``[CAP]``; the ids are gathered by
-    a ``[CAP, KB_PAD]`` select. Replaces the radix steps (each a CTA reduction over the row)."""
-    tl.static_assert(CAP < 32768 and v.shape[0] <= 65536, "rank select packing bounds")
+def _compact(v, offs_c, floor, n_c, scratch_row, CAP: tl.constexpr):
+    """The candidates ``v >= floor`` of the keys ``v [NB_PAD]`` (``n_c <= CAP`` of them),
+    compacted in block order through ``scratch_row`` (a cumsum, one scatter, a CTA barrier, one
+    read): ``[CAP]`` int64 ``v << 32 | (CAP - 1 - j) << 16 | c`` at place j (distinct; larger =
+    higher key, then lower block), -1 at the empty places."""
+    tl.static_assert(CAP < 32768 and v.shape[0] <= 65536, "compaction packing bounds")
     cand = v >= floor  # [NB_PAD] (v = -1 never: floor >= 0)
     place = tl.cumsum(cand.to(tl.int32), axis=0) - 1  # [NB_PAD] ascending block order
     key = (v.to(tl.int64) << 32) | ((CAP - 1 - place).to(tl.int64) << 16) | offs_c
@@ -272,13 +270,19 @@ def _rank_ids(v, offs_c, k, n_c, floor, scratch_row, CAP: tl.constexpr, KB_PAD: 
     tl.store(scratch64 + (CAP - 1 - ((key >> 16) & 0xFFFF)), key, mask=key >= 0)
     tl.debug_barrier()  # the compacted row is read back by other threads of this program
     j = tl.arange(0, CAP)  # [CAP] candidate places
-    u = tl.load(scratch64 + j, mask=j < n_c, other=-1)  # [CAP] distinct (L1: read in 2 layouts)
-    chosen = _desc_rank(u) < k  # [CAP]: k of them (n_c >= k; empty places rank last)
+    return tl.load(scratch64 + j, mask=j < n_c, other=-1)  # [CAP] (L1: read in 2 layouts)
+
+
+@triton.jit
+def _compact_ids(chosen, u, KB_PAD: tl.constexpr):
+    """Block ids ``[KB_PAD]`` of the ``chosen [CAP]`` compacted candidates ``u`` (``_compact``),
+    ascending, then zeros: slots by a cumsum over ``[CAP]``, ids by a ``[CAP, KB_PAD]`` select
+    (candidates along axis 0, as in ``_desc_rank``)."""
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # [CAP] ascending block order
     slot = tl.where(chosen, slot, KB_PAD)
     ids = tl.where(slot[:, None] == tl.arange(0, KB_PAD)[None, :],
                    (u & 0xFFFF).to(tl.int32)[:, None], 0)  # fmt: skip
-    return tl.sum(ids, axis=0)  # [KB_PAD] (candidates along axis 0, as in _desc_rank)
+    return tl.sum(ids, axis=0)  # [KB_PAD]
 
 
 @triton.jit
@@ -340,8 +344,9 @@ def select_row(
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
     PACKED_SCATTER: tl.constexpr = True,  # radix: the scatter's (slot, block) pairs packed (cfg)
-    RANK_G: tl.constexpr = 0,  # rank method (RANK_CAP > 0): strided groups of its floor
-    RANK_CAP: tl.constexpr = 0,  # > 0: rank method for rows of <= RANK_CAP candidates (cfg)
+    COMPACT: tl.constexpr = 0,  # COMPACT_RANK / COMPACT_RADIX: compacted candidates (cfg)
+    COMPACT_G: tl.constexpr = 0,  # COMPACT: strided groups of the floor
+    COMPACT_CAP: tl.constexpr = 0,  # COMPACT: rows of more candidates take the radix steps
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -376,18 +381,28 @@ def select_row(
     t_bounds = tl.zeros([], tl.int64)
     t_radix = tl.zeros([], tl.int64)
     t_chosen = tl.zeros([], tl.int64)
-    IDS_REGS: tl.constexpr = TOPK or IDS_IN_REGS or RANK_CAP > 0  # ids [KB_PAD] in registers
+    IDS_REGS: tl.constexpr = TOPK or IDS_IN_REGS or COMPACT > 0  # ids [KB_PAD] in registers
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
-    elif RANK_CAP > 0:  # the radix method's row widths, ranked candidates above a tight floor
-        vmax, floor = _rank_bounds(v, k, NB_PAD, RANK_G)
+    elif COMPACT > 0:  # radix-width rows: the candidates above a floor, compacted
+        if COMPACT == COMPACT_RANK:
+            vmax, floor = _rank_bounds(v, k, NB_PAD, COMPACT_G)
+        else:
+            vmax, floor = _radix_bounds(v, NB_PAD, COMPACT_G)
         if CLOCKS:
             t_bounds = sm_clock(vmax)
         n_c = tl.sum((v >= floor).to(tl.int32))  # candidates (>= k)
         if CLOCKS:
             t_radix = sm_clock(n_c)
-        if n_c <= RANK_CAP:
-            ids = _rank_ids(v, offs_c, k, n_c, floor, scratch_row, RANK_CAP, KB_PAD)
+        if n_c <= COMPACT_CAP:
+            u = _compact(v, offs_c, floor, n_c, scratch_row, COMPACT_CAP)  # [CAP] int64
+            if COMPACT == COMPACT_RANK:  # one [CAP, CAP] comparison of the distinct keys
+                chosen_c = _desc_rank(u) < k  # [CAP] (n_c >= k; empty places rank last)
+            else:  # radix steps over CAP keys: one per thread, 4 bits per CTA reduction
+                vc = (u >> 32).to(tl.int32)  # [CAP] keys (-1: empty place)
+                lo, n_ge = _kth_largest(vc, k, n_c, vmax, floor, 4)  # 4 bits per step
+                chosen_c = _chosen_from_lo(vc, k, lo, n_ge)  # (ties: lower place = block)
+            ids = _compact_ids(chosen_c, u, KB_PAD)
         else:  # too many candidates (ties, adversarial rows): radix steps from the same floor
             lo, n_ge = _kth_largest(v, k, n_c, vmax, floor, RADIX_BITS)
             chosen = _chosen_from_lo(v, k, lo, n_ge)
@@ -462,7 +477,8 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
-    PACKED_SCATTER: tl.constexpr = True, RANK_G: tl.constexpr = 0, RANK_CAP: tl.constexpr = 0,
+    PACKED_SCATTER: tl.constexpr = True, COMPACT: tl.constexpr = 0,
+    COMPACT_G: tl.constexpr = 0, COMPACT_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -471,7 +487,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, RANK_G, RANK_CAP,
+        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, COMPACT, COMPACT_G, COMPACT_CAP,
     )  # fmt: skip
 
 
@@ -489,12 +505,17 @@ def indexer_select_kernel(
 # PACKED_SCATTER (session 30, ``_scatter_chosen``): the scatter's layout change as a free
 # register reorder of packed (slot, block) pairs; H100, select alone chained B=1 T=128K / 256K
 # 4.51 -> 4.19 / 5.89 -> 5.22 us (``select_phases_packed_session30_h100.json``)
-# RANK_SELECT (session 31, ``_rank_ids``): rows of the radix method's widths with a budget of
-# at most RANK_MAX_KB_PAD blocks rank the candidates above a tight floor (``_rank_bounds``)
-# instead of running radix steps; RANK_CAP_MULT * KB_PAD candidates at most (else the steps)
+# COMPACT_SELECT (session 31, ``_compact``): rows of the radix method's widths with a budget of
+# at most COMPACT_MAX_KB_PAD blocks compact the candidates above a floor and select among
+# them: "rank" (floor: the k-th of 2 * KB_PAD group maxima, ``_rank_bounds``; one [CAP, CAP]
+# comparison) or "radix" (floor: the least of KB_PAD group maxima; 4-bit radix steps over
+# CAP keys); COMPACT_CAP_MULT * KB_PAD candidates at most (None: 2 for rank, 8 for radix)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
-                       PACKED_SCATTER=True, RANK_SELECT=False, RANK_CAP_MULT=4)  # fmt: skip
-RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the [CAP, CAP] rank grows as k^2)
+                       PACKED_SCATTER=True, COMPACT_SELECT=None,
+                       COMPACT_CAP_MULT=None)  # fmt: skip
+COMPACT_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
+_COMPACT_MODES = {None: 0, "rank": 1, "radix": 2}  # the kernel's COMPACT (COMPACT_RANK: 1)
+_COMPACT_CAP_MULT = {1: 2, 2: 8}  # rank: 2 (H100 session 31, rank_cap2 beat 4), radix: 8
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -510,14 +531,16 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
     H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see
     ``_scatter_chosen``) and ``num_warps``; ``cfg`` overrides the defaults
-    (``SELECT_DEFAULTS``, ``select_num_warps``); ``RANK_SELECT`` (see ``rank_geometry``)."""
+    (``SELECT_DEFAULTS``, ``select_num_warps``); ``COMPACT_SELECT`` and ``COMPACT_CAP_MULT``
+    (see ``compact_geometry``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
     if "BLOCK_O" not in out:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN", "PACKED_SCATTER", "RANK_SELECT", "RANK_CAP_MULT"}  # fmt: skip
+                          "ONE_SCAN", "PACKED_SCATTER", "COMPACT_SELECT",
+                          "COMPACT_CAP_MULT"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -529,22 +552,26 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
-    cfg_flag(out, "RANK_SELECT", False, what="select cfg")
-    if out.get("RANK_CAP_MULT", 4) not in (1, 2, 4, 8):
-        raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
-                         f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
+    if out.get("COMPACT_SELECT") not in _COMPACT_MODES:
+        raise ValueError(f"select cfg['COMPACT_SELECT'] must be None, 'rank' or 'radix', got "
+                         f"{out['COMPACT_SELECT']!r}")  # fmt: skip
+    if out.get("COMPACT_CAP_MULT") not in (None, 1, 2, 4, 8, 16):
+        raise ValueError(f"select cfg['COMPACT_CAP_MULT'] must be None or 1, 2, 4, 8, 16, got "
+                         f"{out['COMPACT_CAP_MULT']!r}")  # fmt: skip
     return out
 
 
-def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int]:
-    """``(RANK_G, RANK_CAP)`` of the select launch: ``(0, 0)`` unless ``cfg["RANK_SELECT"]``
-    asks for the rank method and it applies (a radix-width row, ``KB_PAD <=
-    RANK_MAX_KB_PAD``): then ``2 * KB_PAD`` floor groups and ``cfg["RANK_CAP_MULT"] *
-    KB_PAD`` candidates, both at most the row (``NB_PAD``)."""
-    if not cfg.get("RANK_SELECT", False) or topk or kb_pad > RANK_MAX_KB_PAD:
-        return 0, 0
-    cap = min(cfg.get("RANK_CAP_MULT", 4) * kb_pad, nb_pad)
-    return min(2 * kb_pad, nb_pad), max(kb_pad, cap)
+def compact_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int, int]:
+    """``(COMPACT, COMPACT_G, COMPACT_CAP)`` of the select launch: zeros unless
+    ``cfg["COMPACT_SELECT"]`` asks for a compacted method and it applies (a radix-width row,
+    ``KB_PAD <= COMPACT_MAX_KB_PAD``): then its floor's groups (rank: ``2 * KB_PAD``, radix:
+    ``KB_PAD``) and ``COMPACT_CAP_MULT * KB_PAD`` candidates, at most the row (``NB_PAD``)."""
+    mode = _COMPACT_MODES[cfg.get("COMPACT_SELECT")]
+    if not mode or topk or kb_pad > COMPACT_MAX_KB_PAD:
+        return 0, 0, 0
+    mult = cfg.get("COMPACT_CAP_MULT") or _COMPACT_CAP_MULT[mode]
+    groups = min(2 * kb_pad, nb_pad) if mode == 1 else kb_pad  # (1: COMPACT_RANK)
+    return mode, groups, max(kb_pad, min(mult * kb_pad, nb_pad))
 
 
 EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
@@ -625,14 +652,14 @@ def select_launch_args(
     topk = nb_pad <= TOPK_MAX_BLOCKS
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
-    rank_g, rank_cap = rank_geometry(tune, topk, kb_pad, nb_pad)
-    # radix: the chosen ids (int32 [kb]); rank: also the candidates (int64 [RANK_CAP])
-    width = max(kb, 2 * rank_cap, 1)
+    compact, compact_g, compact_cap = compact_geometry(tune, topk, kb_pad, nb_pad)
+    # radix: the chosen ids (int32 [kb]); COMPACT: also the candidates (int64 [COMPACT_CAP])
+    width = max(kb, 2 * compact_cap, 1)
     scratch = idx if topk else empty((rows, width + width % 2), dtype=torch.int32, device=dev)
     emit_r = emit_ratio(tune, r, kb_pad)
     tune.pop("EMIT_2D", None)
-    tune.pop("RANK_SELECT", None)
-    tune.pop("RANK_CAP_MULT", None)
+    tune.pop("COMPACT_SELECT", None)
+    tune.pop("COMPACT_CAP_MULT", None)
     if tune.get("EARLY_SCORES") is None:
         tune["EARLY_SCORES"] = not is_first_prompt
     args = dict(
@@ -654,8 +681,9 @@ def select_launch_args(
         IDS_IN_REGS=tune["BLOCK_O"] < WIDE_EMIT_BLOCKS,
         IS_FIRST_PROMPT=is_first_prompt,
         EMIT_R=emit_r,
-        RANK_G=rank_g,
-        RANK_CAP=rank_cap,
+        COMPACT=compact,
+        COMPACT_G=compact_g,
+        COMPACT_CAP=compact_cap,
         **tune,
     )
     if clocks is not None:
