@@ -384,6 +384,9 @@ def test_score_config_fills_one_wave():
         (dict(EARLY_SCORES=1), "EARLY_SCORES"),
         (dict(ONE_SCAN=None), "ONE_SCAN"),
         (dict(PACKED_SCATTER=1), "PACKED_SCATTER"),
+        (dict(COMPACT_SELECT="fast"), "COMPACT_SELECT"),
+        (dict(COMPACT_SELECT=True), "COMPACT_SELECT"),
+        (dict(COMPACT_CAP_MULT=3), "COMPACT_CAP_MULT"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -405,6 +408,21 @@ def test_select_config_defaults():
     assert select.select_config(dict(EMIT_2D=False), 2048, interpret=False)["BLOCK_O"] == 1024
     assert select.select_config(None, 4096, interpret=True)["BLOCK_O"] == 256
     assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2
+
+
+def test_select_compact_geometry():
+    """``(COMPACT, COMPACT_G, COMPACT_CAP)``: the rank mode's floor over 2 * KB_PAD groups and 2
+    * KB_PAD candidates, the radix mode's over KB_PAD groups and 8 * KB_PAD (both capped by the
+    row); off for tl.topk rows, budgets above COMPACT_MAX_KB_PAD and when not asked for."""
+    geo = select.compact_geometry
+    assert geo(dict(COMPACT_SELECT="rank"), False, 32, 4096) == (1, 64, 64)
+    assert geo(dict(COMPACT_SELECT="radix"), False, 32, 4096) == (2, 32, 256)
+    assert geo(dict(COMPACT_SELECT="radix", COMPACT_CAP_MULT=4), False, 32, 4096) == (2, 32, 128)
+    assert geo(dict(COMPACT_SELECT="radix"), False, 16, 64) == (2, 16, 64)
+    assert geo(dict(COMPACT_SELECT="rank", COMPACT_CAP_MULT=1), False, 32, 32) == (1, 32, 32)
+    assert geo(dict(COMPACT_SELECT="rank"), True, 32, 1024) == (0, 0, 0)
+    assert geo(dict(COMPACT_SELECT="radix"), False, 64, 4096) == (0, 0, 0)
+    assert geo(dict(COMPACT_SELECT=None), False, 32, 4096) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("first", [False, True])
