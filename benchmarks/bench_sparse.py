@@ -324,10 +324,9 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 # - unpacked: the radix scatter without PACKED_SCATTER (session 30's SASS-only default): its
 #   64-bit pointers and mask change layout through shared memory (6 more CTA barriers at 4096
 #   blocks);
-# - rank / rank_cap4: the select's compacted candidates (COMPACT_SELECT "rank": those above the
-#   k-th largest of 2 * KB_PAD group maxima, ranked by one [CAP, CAP] comparison instead of the
-#   radix steps; CAP = 2 / 4 * KB_PAD); cradix / cradix_cap4 ("radix": those above the least of
-#   KB_PAD group maxima, 4-bit radix steps over them; CAP = 8 / 4 * KB_PAD);
+# - radix_steps / rank: the select's rank method (RANK_SELECT: the candidates above the k-th
+#   largest of 2 * KB_PAD group maxima, compacted and ranked by one [CAP, CAP] comparison; the
+#   default from 4096 blocks on, session 31) off / on at every row width;
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -343,10 +342,8 @@ _VARIANTS = {
     "two_scan": (None, dict(ONE_SCAN=False, PACKED_SCATTER=False)),
     "unpacked": (None, dict(PACKED_SCATTER=False)),
     "merge_4w": (None, None, None, None, MERGE_NEVER),
-    "rank": (None, dict(COMPACT_SELECT="rank")),
-    "rank_cap4": (None, dict(COMPACT_SELECT="rank", COMPACT_CAP_MULT=4)),
-    "cradix": (None, dict(COMPACT_SELECT="radix")),
-    "cradix_cap4": (None, dict(COMPACT_SELECT="radix", COMPACT_CAP_MULT=4)),
+    "radix_steps": (None, dict(RANK_SELECT=False)),
+    "rank": (None, dict(RANK_SELECT=True)),
     "again": (None, None),
 }
 

@@ -264,18 +264,15 @@ def test_select_packed_scatter_moves_no_data(nb_pad):
     assert packed["shared"] <= 1024 < plain["shared"], (packed["shared"], plain["shared"])
 
 
-@pytest.mark.parametrize("mode,groups,cap", [(1, 64, 64), (2, 32, 256)])
-def test_select_compact_builds_read_the_candidates_once_without_spills(mode, groups, cap):
-    """``COMPACT_SELECT`` builds (rank: 2 * KB_PAD floor groups, 2 * KB_PAD candidates; radix:
-    KB_PAD groups, 8 * KB_PAD candidates), 4096 blocks, 8 warps: no local memory; the radix
-    mode reads its compacted keys with one 8-byte load per thread (one key each), the rank mode
-    with at most a column of its tile per thread (broadcast reads, L1)."""
-    flags = (f"TOPK=False,NB_PAD=4096,KB_PAD=32,BLOCK_O=1024,EMIT_R=64,IDS_IN_REGS=True,"
-             f"EARLY_SCORES=True,COMPACT={mode},COMPACT_G={groups},COMPACT_CAP={cap}")  # fmt: skip
+def test_select_rank_build_reads_the_candidates_without_spills():
+    """The rank method's build (``RANK_SELECT``: 2 * KB_PAD floor groups and candidates), 4096
+    blocks, 8 warps: no local memory; the compacted keys read at most a column of the
+    ``[CAP, CAP]`` tile per thread (broadcast reads, L1), not the whole tile."""
+    flags = ("TOPK=False,NB_PAD=4096,KB_PAD=32,BLOCK_O=1024,EMIT_R=64,IDS_IN_REGS=True,"
+             "EARLY_SCORES=True,RANK_G=64,RANK_CAP=64")  # fmt: skip
     got = _sass("indexer-select", "--set", flags, "--warps", "8")
     assert got["stack"] == 0, got["stack"]
-    wide = got["memory"].get("LDG.E.64", 0)
-    assert wide == 1 if mode == 2 else 1 <= wide <= cap // 2 + 1, wide
+    assert 1 <= got["memory"].get("LDG.E.64", 0) <= 64 // 2 + 1, got["memory"]
 
 
 def test_merge_one_warp_tiles_keep_the_split_reductions_in_the_warp():

@@ -195,15 +195,14 @@ def test_triton_layer_one_warp_merge_equals_two_ops(monkeypatch):
 
 
 @interpret
-def test_triton_layer_compact_select_equals_two_ops(monkeypatch):
-    """The select's compacted methods (``COMPACT_SELECT``) in the layer's co-launch: the two
-    ops' outputs with the radix steps."""
+def test_triton_layer_rank_select_equals_two_ops(monkeypatch):
+    """The select's rank method (``RANK_SELECT``) in the layer's co-launch: the two ops'
+    outputs with the radix steps."""
     kw = make_layer_case(1, **CASES["radix_select"])
-    _select_defaults(monkeypatch, COMPACT_SELECT=None)
+    _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    for mode in ("rank", "radix"):
-        _select_defaults(monkeypatch, COMPACT_SELECT=mode)
-        _same(layer(kw, "triton"), want)
+    _select_defaults(monkeypatch, RANK_SELECT=True)
+    _same(layer(kw, "triton"), want)
 
 
 def _select_defaults(monkeypatch, **over):
@@ -212,16 +211,15 @@ def _select_defaults(monkeypatch, **over):
 
 @gpu
 @pytest.mark.parametrize("case", [dict(b=1, s=1, total=262144), dict(b=4, s=8, total=131072)])
-def test_gpu_layer_compact_select_matches_two_ops(case, monkeypatch):
-    """The compacted methods vs the radix steps (two ops) at real shapes: identical
-    selections, outputs within rounding."""
+def test_gpu_layer_rank_select_matches_two_ops(case, monkeypatch):
+    """The rank method vs the radix steps (two ops) at real shapes: identical selections,
+    outputs within rounding."""
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
-    _select_defaults(monkeypatch, COMPACT_SELECT=None)
+    _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    for mode in ("rank", "radix"):
-        _select_defaults(monkeypatch, COMPACT_SELECT=mode)
-        _same(layer(kw, "triton"), want, exact=False)
+    _select_defaults(monkeypatch, RANK_SELECT=True)
+    _same(layer(kw, "triton"), want, exact=False)
 
 
 @gpu

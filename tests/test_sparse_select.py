@@ -32,23 +32,21 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(
-    params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "cradix", "cradix_cap1"]
-)
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1"])
 def method(request, monkeypatch):
-    """The select methods on every row width (the host picks by NB_PAD): top-k, radix at each
-    ``RADIX_BITS``, the compacted candidates (``COMPACT_SELECT``, every budget) ranked
-    (``rank``) or radix-selected (``cradix``) at their default capacity and at ``KB_PAD``
-    (``_cap1``: rows of more candidates take the radix steps from the floor)."""
+    """The select methods on every row width (the host picks by NB_PAD): top-k, radix steps at
+    each ``RADIX_BITS``, the rank method (``RANK_SELECT``, every budget) at its default
+    capacity (``2 * KB_PAD`` candidates) and at ``KB_PAD`` (``rank_cap1``: rows of more
+    candidates take the radix steps from its floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
-    over = dict(COMPACT_SELECT=None)
+    over = dict(RANK_SELECT=False)
     if request.param.startswith("radix"):
         over.update(RADIX_BITS=int(request.param[5]))
     elif not topk:
-        over.update(RADIX_BITS=2, COMPACT_SELECT="rank" if "rank" in request.param else "radix")
-        over["COMPACT_CAP_MULT"] = 1 if request.param.endswith("_cap1") else None
-        monkeypatch.setattr(select, "COMPACT_MAX_KB_PAD", 1 << 30)
+        over.update(RADIX_BITS=2, RANK_SELECT=True)
+        over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 2
+        monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
 
@@ -384,9 +382,10 @@ def test_score_config_fills_one_wave():
         (dict(EARLY_SCORES=1), "EARLY_SCORES"),
         (dict(ONE_SCAN=None), "ONE_SCAN"),
         (dict(PACKED_SCATTER=1), "PACKED_SCATTER"),
-        (dict(COMPACT_SELECT="fast"), "COMPACT_SELECT"),
-        (dict(COMPACT_SELECT=True), "COMPACT_SELECT"),
-        (dict(COMPACT_CAP_MULT=3), "COMPACT_CAP_MULT"),
+        (dict(RANK_SELECT="rank"), "RANK_SELECT"),
+        (dict(RANK_SELECT=1), "RANK_SELECT"),
+        (dict(RANK_CAP_MULT=3), "RANK_CAP_MULT"),
+        (dict(RANK_CAP_MULT=True), "RANK_CAP_MULT"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -410,19 +409,22 @@ def test_select_config_defaults():
     assert select.select_config(dict(num_warps=2), 64, interpret=True)["num_warps"] == 2
 
 
-def test_select_compact_geometry():
-    """``(COMPACT, COMPACT_G, COMPACT_CAP)``: the rank mode's floor over 2 * KB_PAD groups and 2
-    * KB_PAD candidates, the radix mode's over KB_PAD groups and 8 * KB_PAD (both capped by the
-    row); off for tl.topk rows, budgets above COMPACT_MAX_KB_PAD and when not asked for."""
-    geo = select.compact_geometry
-    assert geo(dict(COMPACT_SELECT="rank"), False, 32, 4096) == (1, 64, 64)
-    assert geo(dict(COMPACT_SELECT="radix"), False, 32, 4096) == (2, 32, 256)
-    assert geo(dict(COMPACT_SELECT="radix", COMPACT_CAP_MULT=4), False, 32, 4096) == (2, 32, 128)
-    assert geo(dict(COMPACT_SELECT="radix"), False, 16, 64) == (2, 16, 64)
-    assert geo(dict(COMPACT_SELECT="rank", COMPACT_CAP_MULT=1), False, 32, 32) == (1, 32, 32)
-    assert geo(dict(COMPACT_SELECT="rank"), True, 32, 1024) == (0, 0, 0)
-    assert geo(dict(COMPACT_SELECT="radix"), False, 64, 4096) == (0, 0, 0)
-    assert geo(dict(COMPACT_SELECT=None), False, 32, 4096) == (0, 0, 0)
+def test_select_rank_geometry():
+    """``(RANK_G, RANK_CAP)``: the rank floor over 2 * KB_PAD groups and RANK_CAP_MULT * KB_PAD
+    candidates (both capped by the row); by default (None) from RANK_MIN_BLOCKS on; never for
+    tl.topk rows or budgets above RANK_MAX_KB_PAD."""
+    geo = select.rank_geometry
+    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2)
+    assert select.RANK_MIN_BLOCKS == 4096 and select.SELECT_DEFAULTS["RANK_SELECT"] is None
+    assert geo(auto, False, 32, 4096) == (64, 64)
+    assert geo(auto, False, 32, 16384) == (64, 64)
+    assert geo(auto, False, 32, 2048) == (0, 0)  # lost at 2048 blocks (H100, session 31)
+    assert geo(dict(auto, RANK_SELECT=True), False, 32, 2048) == (64, 64)
+    assert geo(dict(auto, RANK_SELECT=True, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128)
+    assert geo(dict(auto, RANK_SELECT=True), False, 16, 16) == (16, 16)
+    assert geo(dict(auto, RANK_SELECT=False), False, 32, 4096) == (0, 0)
+    assert geo(dict(auto, RANK_SELECT=True), True, 32, 1024) == (0, 0)
+    assert geo(auto, False, 64, 4096) == (0, 0)
 
 
 @pytest.mark.parametrize("first", [False, True])

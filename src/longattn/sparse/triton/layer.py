@@ -57,9 +57,8 @@ def select_prologue_kernel(
     TRIGGER: tl.constexpr = False,  # the split grid may launch once this one runs
     ONE_SCAN: tl.constexpr = True,
     PACKED_SCATTER: tl.constexpr = True,
-    COMPACT: tl.constexpr = 0,
-    COMPACT_G: tl.constexpr = 0,
-    COMPACT_CAP: tl.constexpr = 0,
+    RANK_G: tl.constexpr = 0,
+    RANK_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows + B * S * head blocks,)``: ``select_row`` for each query row, then the
     prologue programs (token-major, ``cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H)`` per token)."""
@@ -71,8 +70,8 @@ def select_prologue_kernel(
             pid.to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr, seq_len,
             num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
             KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R,
-            EARLY_SCORES, ONE_SCAN=ONE_SCAN, PACKED_SCATTER=PACKED_SCATTER, COMPACT=COMPACT,
-            COMPACT_G=COMPACT_G, COMPACT_CAP=COMPACT_CAP,
+            EARLY_SCORES, ONE_SCAN=ONE_SCAN, PACKED_SCATTER=PACKED_SCATTER, RANK_G=RANK_G,
+            RANK_CAP=RANK_CAP,
         )  # fmt: skip
     else:
         head_blocks = tl.cdiv(NUM_HEADS, BLOCK_H) + tl.cdiv(KV_HEADS, BLOCK_H)

@@ -62,7 +62,6 @@ from ..._triton_utils import (
 MAX_BLOCKS = 16384  # NB_PAD bound of the in-register select (1M tokens at r = 64)
 TOPK_MAX_BLOCKS = 1024  # rows up to this NB_PAD take the tl.topk method (see step 3)
 _NAN_KEY = tl.constexpr(0x7F800001)  # every NaN score: above +inf (0x7F800000)
-COMPACT_RANK = tl.constexpr(1)  # COMPACT: rank the compacted candidates (else 2: radix steps)
 
 
 @triton.jit
@@ -344,9 +343,8 @@ def select_row(
     CLOCKS: tl.constexpr = False,  # phase marks of the SM clock (a profiling build)
     ONE_SCAN: tl.constexpr = True,  # radix: one cumsum for the scatter (cfg)
     PACKED_SCATTER: tl.constexpr = True,  # radix: the scatter's (slot, block) pairs packed (cfg)
-    COMPACT: tl.constexpr = 0,  # COMPACT_RANK / COMPACT_RADIX: compacted candidates (cfg)
-    COMPACT_G: tl.constexpr = 0,  # COMPACT: strided groups of the floor
-    COMPACT_CAP: tl.constexpr = 0,  # COMPACT: rows of more candidates take the radix steps
+    RANK_G: tl.constexpr = 0,  # rank method (RANK_CAP > 0): strided groups of its floor
+    RANK_CAP: tl.constexpr = 0,  # > 0: rank method, rows of more candidates take radix steps
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -381,27 +379,19 @@ def select_row(
     t_bounds = tl.zeros([], tl.int64)
     t_radix = tl.zeros([], tl.int64)
     t_chosen = tl.zeros([], tl.int64)
-    IDS_REGS: tl.constexpr = TOPK or IDS_IN_REGS or COMPACT > 0  # ids [KB_PAD] in registers
+    IDS_REGS: tl.constexpr = TOPK or IDS_IN_REGS or RANK_CAP > 0  # ids [KB_PAD] in registers
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
-    elif COMPACT > 0:  # radix-width rows: the candidates above a floor, compacted
-        if COMPACT == COMPACT_RANK:
-            vmax, floor = _rank_bounds(v, k, NB_PAD, COMPACT_G)
-        else:
-            vmax, floor = _radix_bounds(v, NB_PAD, COMPACT_G)
+    elif RANK_CAP > 0:  # radix-width rows: rank the few candidates above a tight floor
+        vmax, floor = _rank_bounds(v, k, NB_PAD, RANK_G)
         if CLOCKS:
             t_bounds = sm_clock(vmax)
         n_c = tl.sum((v >= floor).to(tl.int32))  # candidates (>= k)
         if CLOCKS:
             t_radix = sm_clock(n_c)
-        if n_c <= COMPACT_CAP:
-            u = _compact(v, offs_c, floor, n_c, scratch_row, COMPACT_CAP)  # [CAP] int64
-            if COMPACT == COMPACT_RANK:  # one [CAP, CAP] comparison of the distinct keys
-                chosen_c = _desc_rank(u) < k  # [CAP] (n_c >= k; empty places rank last)
-            else:  # radix steps over CAP keys: one per thread, 4 bits per CTA reduction
-                vc = (u >> 32).to(tl.int32)  # [CAP] keys (-1: empty place)
-                lo, n_ge = _kth_largest(vc, k, n_c, vmax, floor, 4)  # 4 bits per step
-                chosen_c = _chosen_from_lo(vc, k, lo, n_ge)  # (ties: lower place = block)
+        if n_c <= RANK_CAP:
+            u = _compact(v, offs_c, floor, n_c, scratch_row, RANK_CAP)  # [CAP] int64
+            chosen_c = _desc_rank(u) < k  # [CAP] (n_c >= k; empty places rank last)
             ids = _compact_ids(chosen_c, u, KB_PAD)
         else:  # too many candidates (ties, adversarial rows): radix steps from the same floor
             lo, n_ge = _kth_largest(v, k, n_c, vmax, floor, RADIX_BITS)
@@ -477,8 +467,7 @@ def indexer_select_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
-    PACKED_SCATTER: tl.constexpr = True, COMPACT: tl.constexpr = 0,
-    COMPACT_G: tl.constexpr = 0, COMPACT_CAP: tl.constexpr = 0,
+    PACKED_SCATTER: tl.constexpr = True, RANK_G: tl.constexpr = 0, RANK_CAP: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -487,7 +476,7 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, COMPACT, COMPACT_G, COMPACT_CAP,
+        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, RANK_G, RANK_CAP,
     )  # fmt: skip
 
 
@@ -505,17 +494,17 @@ def indexer_select_kernel(
 # PACKED_SCATTER (session 30, ``_scatter_chosen``): the scatter's layout change as a free
 # register reorder of packed (slot, block) pairs; H100, select alone chained B=1 T=128K / 256K
 # 4.51 -> 4.19 / 5.89 -> 5.22 us (``select_phases_packed_session30_h100.json``)
-# COMPACT_SELECT (session 31, ``_compact``): rows of the radix method's widths with a budget of
-# at most COMPACT_MAX_KB_PAD blocks compact the candidates above a floor and select among
-# them: "rank" (floor: the k-th of 2 * KB_PAD group maxima, ``_rank_bounds``; one [CAP, CAP]
-# comparison) or "radix" (floor: the least of KB_PAD group maxima; 4-bit radix steps over
-# CAP keys); COMPACT_CAP_MULT * KB_PAD candidates at most (None: 2 for rank, 8 for radix)
+# RANK_SELECT (session 31, ``_rank_bounds`` / ``_compact`` / ``_desc_rank``): the candidates
+# above the k-th largest of 2 * KB_PAD group maxima, compacted and ranked, instead of the radix
+# steps; None: from RANK_MIN_BLOCKS (NB_PAD) on, for budgets of <= RANK_MAX_KB_PAD blocks.
+# H100 (two same-process runs, select_{rank,compact}_session31_h100.json), B=1 S=1, select
+# alone chained: 4096 blocks 5.63 -> 5.14 / 5.18 us (B=4 5.86 / 6.06 -> 5.16 / 5.19), layer op
+# 18.02-18.05 / 18.36-18.49 -> 17.91 / 17.94; 2048 blocks lost (4.35 / 4.14 -> 4.49 / 4.5, layer
+# +0.3 us). RANK_CAP_MULT * KB_PAD candidates at most (2: 1 us faster than 4 at 4096 blocks)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
-                       PACKED_SCATTER=True, COMPACT_SELECT=None,
-                       COMPACT_CAP_MULT=None)  # fmt: skip
-COMPACT_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
-_COMPACT_MODES = {None: 0, "rank": 1, "radix": 2}  # the kernel's COMPACT (COMPACT_RANK: 1)
-_COMPACT_CAP_MULT = {1: 2, 2: 8}  # rank: 2 (H100 session 31, rank_cap2 beat 4), radix: 8
+                       PACKED_SCATTER=True, RANK_SELECT=None, RANK_CAP_MULT=2)  # fmt: skip
+RANK_MIN_BLOCKS = 4096  # RANK_SELECT None: rows of NB_PAD >= this rank their candidates
+RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -531,16 +520,16 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     ``WIDE_EMIT_BLOCKS`` blocks on without EMIT_2D: one tile issues every scratch load at once,
     H200: -4 to -10% at 256K tokens), ``ONE_SCAN`` and ``PACKED_SCATTER`` (see
     ``_scatter_chosen``) and ``num_warps``; ``cfg`` overrides the defaults
-    (``SELECT_DEFAULTS``, ``select_num_warps``); ``COMPACT_SELECT`` and ``COMPACT_CAP_MULT``
-    (see ``compact_geometry``)."""
+    (``SELECT_DEFAULTS``, ``select_num_warps``); ``RANK_SELECT`` and ``RANK_CAP_MULT`` (see
+    ``rank_geometry``)."""
     out = dict(SELECT_DEFAULTS, num_warps=select_num_warps(nb_pad))
     out.update(cfg or {})
     if "BLOCK_O" not in out:
         wide = nb_pad >= WIDE_EMIT_BLOCKS and not out["EMIT_2D"]
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
-                          "ONE_SCAN", "PACKED_SCATTER", "COMPACT_SELECT",
-                          "COMPACT_CAP_MULT"}  # fmt: skip
+                          "ONE_SCAN", "PACKED_SCATTER", "RANK_SELECT",
+                          "RANK_CAP_MULT"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -552,26 +541,26 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "EARLY_SCORES", None, allow_none=True, what="select cfg")
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
-    if out.get("COMPACT_SELECT") not in _COMPACT_MODES:
-        raise ValueError(f"select cfg['COMPACT_SELECT'] must be None, 'rank' or 'radix', got "
-                         f"{out['COMPACT_SELECT']!r}")  # fmt: skip
-    if out.get("COMPACT_CAP_MULT") not in (None, 1, 2, 4, 8, 16):
-        raise ValueError(f"select cfg['COMPACT_CAP_MULT'] must be None or 1, 2, 4, 8, 16, got "
-                         f"{out['COMPACT_CAP_MULT']!r}")  # fmt: skip
+    cfg_flag(out, "RANK_SELECT", None, allow_none=True, what="select cfg")
+    if out["RANK_CAP_MULT"] not in (1, 2, 4, 8) or isinstance(out["RANK_CAP_MULT"], bool):
+        raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
+                         f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
     return out
 
 
-def compact_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int, int]:
-    """``(COMPACT, COMPACT_G, COMPACT_CAP)`` of the select launch: zeros unless
-    ``cfg["COMPACT_SELECT"]`` asks for a compacted method and it applies (a radix-width row,
-    ``KB_PAD <= COMPACT_MAX_KB_PAD``): then its floor's groups (rank: ``2 * KB_PAD``, radix:
-    ``KB_PAD``) and ``COMPACT_CAP_MULT * KB_PAD`` candidates, at most the row (``NB_PAD``)."""
-    mode = _COMPACT_MODES[cfg.get("COMPACT_SELECT")]
-    if not mode or topk or kb_pad > COMPACT_MAX_KB_PAD:
-        return 0, 0, 0
-    mult = cfg.get("COMPACT_CAP_MULT") or _COMPACT_CAP_MULT[mode]
-    groups = min(2 * kb_pad, nb_pad) if mode == 1 else kb_pad  # (1: COMPACT_RANK)
-    return mode, groups, max(kb_pad, min(mult * kb_pad, nb_pad))
+def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int]:
+    """``(RANK_G, RANK_CAP)`` of the select launch: ``(0, 0)`` (the radix steps) unless the
+    rank method applies: a radix-width row, ``KB_PAD <= RANK_MAX_KB_PAD``, and
+    ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD >= RANK_MIN_BLOCKS``. Then ``2 *
+    KB_PAD`` floor groups and ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates, both at most the
+    row (``NB_PAD``)."""
+    on = cfg.get("RANK_SELECT")
+    if on is None:
+        on = nb_pad >= RANK_MIN_BLOCKS
+    if not on or topk or kb_pad > RANK_MAX_KB_PAD:
+        return 0, 0
+    cap = min(cfg.get("RANK_CAP_MULT", 2) * kb_pad, nb_pad)
+    return min(2 * kb_pad, nb_pad), max(kb_pad, cap)
 
 
 EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
@@ -652,14 +641,14 @@ def select_launch_args(
     topk = nb_pad <= TOPK_MAX_BLOCKS
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
-    compact, compact_g, compact_cap = compact_geometry(tune, topk, kb_pad, nb_pad)
-    # radix: the chosen ids (int32 [kb]); COMPACT: also the candidates (int64 [COMPACT_CAP])
-    width = max(kb, 2 * compact_cap, 1)
+    rank_g, rank_cap = rank_geometry(tune, topk, kb_pad, nb_pad)
+    # radix: the chosen ids (int32 [kb]); rank: also the candidates (int64 [RANK_CAP])
+    width = max(kb, 2 * rank_cap, 1)
     scratch = idx if topk else empty((rows, width + width % 2), dtype=torch.int32, device=dev)
     emit_r = emit_ratio(tune, r, kb_pad)
     tune.pop("EMIT_2D", None)
-    tune.pop("COMPACT_SELECT", None)
-    tune.pop("COMPACT_CAP_MULT", None)
+    tune.pop("RANK_SELECT", None)
+    tune.pop("RANK_CAP_MULT", None)
     if tune.get("EARLY_SCORES") is None:
         tune["EARLY_SCORES"] = not is_first_prompt
     args = dict(
@@ -681,9 +670,8 @@ def select_launch_args(
         IDS_IN_REGS=tune["BLOCK_O"] < WIDE_EMIT_BLOCKS,
         IS_FIRST_PROMPT=is_first_prompt,
         EMIT_R=emit_r,
-        COMPACT=compact,
-        COMPACT_G=compact_g,
-        COMPACT_CAP=compact_cap,
+        RANK_G=rank_g,
+        RANK_CAP=rank_cap,
         **tune,
     )
     if clocks is not None:
