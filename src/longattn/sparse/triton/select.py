@@ -9,7 +9,7 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
 2. The row's visible scores (``c < n_complete``) are loaded once into registers ``[NB_PAD]`` and
    mapped to order-preserving int32 keys ``v >= 0`` (fp32 bits of a score >= +0.0; every NaN ->
    ``0x7F800001``, above +inf, as ``torch.sort`` orders NaN; -0.0 -> +0.0). Invisible: ``v = -1``.
-3. The ``k`` best, ties to the lower block, in ascending block order, by one of two methods
+3. The ``k`` best, ties to the lower block, in ascending block order, by one of three methods
    (``TOPK``, chosen on the host by the row width ``NB_PAD``; H200, ``benchmarks/results/
    select_ab_h200.json``, budget 2048: 3.4 vs 6.0 us at 512 blocks, 8.6 vs 7.6 at 2048, 15.5
    vs 10.9 at 4096):
@@ -29,6 +29,14 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      ``== lo`` in ascending block order until k are chosen (a count and a rank); an inclusive
      cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
      per-row scratch row ``[kb]`` int32 (then a CTA barrier).
+   - rank (``RANK_SELECT``; by default rows of ``RANK_MIN_BLOCKS`` or more blocks with a budget
+     of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
+     group maxima (a ``[G, G]`` rank, ``_rank_bounds``: ~1.3 k keys lie above it); when at most
+     ``RANK_CAP`` keys do, they are compacted in block order through the scratch row
+     (``_compact``: a cumsum, a scatter, a CTA barrier, one read), ranked by one ``[CAP, CAP]``
+     comparison of distinct (key, place) pairs (``_desc_rank``), and the k of rank < k give
+     their ids in registers (``_compact_ids``); rows of more candidates (ties) take the radix
+     steps from that floor. H100, 4096 blocks: the select alone 5.6 -> 5.2 us (B=1 S=1).
 4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r``, a register
    gather from ``ids [KB_PAD]`` (the radix method reads its scratch row back once), or, for
    radix tiles of ``WIDE_EMIT_BLOCKS`` or more, a scratch load; then the trailing block's
