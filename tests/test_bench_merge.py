@@ -31,3 +31,16 @@ def test_merge_into_nothing_keeps_the_note(tmp_path):
     merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--note", "run 1"])
     got = json.loads((tmp_path / "y.json").read_text())
     assert got["rows"] == new["rows"] and got["notes"] == ["n2", "run 1"]
+
+
+def test_merge_by_keys_replaces_matching_rows_only(tmp_path):
+    old = dict(op="z", meta={"gpu": "A"}, notes=[],
+               rows=[{"section": "a", "T": 1, "v": 1}, {"section": "a", "T": 2, "v": 2},
+                     {"section": "b", "T": 1, "v": 5}])  # fmt: skip
+    new = dict(op="z", meta={"gpu": "B"}, notes=[],
+               rows=[{"section": "a", "T": 2, "v": 3}, {"section": "a", "T": 4, "v": 4}])  # fmt: skip
+    (tmp_path / "z.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--keys", "section,T"])
+    got = json.loads((tmp_path / "z.json").read_text())
+    assert [r["v"] for r in got["rows"]] == [1, 3, 5, 4]
