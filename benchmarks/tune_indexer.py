@@ -127,6 +127,8 @@ def select_phases(b, s, t, rows, budget=BUDGET, reps=20, cfg=None):
     default build's time in a chained graph. Phases: ``load_bounds`` (seqlens + score loads,
     order keys, radix bounds), ``radix`` (the radix steps), ``chosen_scatter`` (chosen flags,
     tie handling, cumsum, scatter to scratch + CTA barrier), ``emit`` (ids reload + emission);
+    under ``RANK_SELECT`` (4096+ blocks by default) ``load_bounds`` includes the rank floor,
+    ``radix`` is the candidate count, ``chosen_scatter`` the compaction + rank + ids;
     rows of <= ``select.TOPK_MAX_BLOCKS`` blocks (``tl.topk``) report the total only. ``cfg``:
     select tunables (``select.select_config``) of both builds; None: the defaults."""
     seqlens, layers, nb, base = _scored_layers(b, s, t)
