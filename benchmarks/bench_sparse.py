@@ -326,7 +326,7 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   blocks);
 # - radix_steps / rank: the select's rank method (RANK_SELECT: the candidates above the k-th
 #   largest of 2 * KB_PAD group maxima, compacted and ranked by one [CAP, CAP] comparison; the
-#   default from 4096 blocks on, session 31) off / on at every row width;
+#   default at 4096 blocks, session 31) off / on at every row width;
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).

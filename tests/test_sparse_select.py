@@ -411,13 +411,13 @@ def test_select_config_defaults():
 
 def test_select_rank_geometry():
     """``(RANK_G, RANK_CAP)``: the rank floor over 2 * KB_PAD groups and RANK_CAP_MULT * KB_PAD
-    candidates (both capped by the row); by default (None) from RANK_MIN_BLOCKS on; never for
+    candidates (both capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for
     tl.topk rows or budgets above RANK_MAX_KB_PAD."""
     geo = select.rank_geometry
     auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2)
-    assert select.RANK_MIN_BLOCKS == 4096 and select.SELECT_DEFAULTS["RANK_SELECT"] is None
+    assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
     assert geo(auto, False, 32, 4096) == (64, 64)
-    assert geo(auto, False, 32, 16384) == (64, 64)
+    assert geo(auto, False, 32, 16384) == (0, 0)  # untimed at 8192 / 16384 blocks
     assert geo(auto, False, 32, 2048) == (0, 0)  # lost at 2048 blocks (H100, session 31)
     assert geo(dict(auto, RANK_SELECT=True), False, 32, 2048) == (64, 64)
     assert geo(dict(auto, RANK_SELECT=True, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128)

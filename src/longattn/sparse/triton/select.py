@@ -29,8 +29,8 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      ``== lo`` in ascending block order until k are chosen (a count and a rank); an inclusive
      cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
      per-row scratch row ``[kb]`` int32 (then a CTA barrier).
-   - rank (``RANK_SELECT``; by default rows of ``RANK_MIN_BLOCKS`` or more blocks with a budget
-     of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
+   - rank (``RANK_SELECT``; by default rows of ``RANK_DEFAULT_BLOCKS`` (4096) blocks with a
+     budget of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
      group maxima (a ``[G, G]`` rank, ``_rank_bounds``: ~1.3 k keys lie above it); when at most
      ``RANK_CAP`` keys do, they are compacted in block order through the scratch row
      (``_compact``: a cumsum, a scatter, a CTA barrier, one read), ranked by one ``[CAP, CAP]``
@@ -504,14 +504,16 @@ def indexer_select_kernel(
 # 4.51 -> 4.19 / 5.89 -> 5.22 us (``select_phases_packed_session30_h100.json``)
 # RANK_SELECT (session 31, ``_rank_bounds`` / ``_compact`` / ``_desc_rank``): the candidates
 # above the k-th largest of 2 * KB_PAD group maxima, compacted and ranked, instead of the radix
-# steps; None: from RANK_MIN_BLOCKS (NB_PAD) on, for budgets of <= RANK_MAX_KB_PAD blocks.
+# steps; None: at the measured row widths RANK_DEFAULT_BLOCKS (NB_PAD), budgets <= RANK_MAX_KB_PAD.
 # H100 (two same-process runs, select_{rank,compact}_session31_h100.json), B=1 S=1, select
 # alone chained: 4096 blocks 5.63 -> 5.14 / 5.18 us (B=4 5.86 / 6.06 -> 5.16 / 5.19), layer op
 # 18.02-18.05 / 18.36-18.49 -> 17.91 / 17.94; 2048 blocks lost (4.35 / 4.14 -> 4.49 / 4.5, layer
 # +0.3 us). RANK_CAP_MULT * KB_PAD candidates at most (2: 1 us faster than 4 at 4096 blocks)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
                        PACKED_SCATTER=True, RANK_SELECT=None, RANK_CAP_MULT=2)  # fmt: skip
-RANK_MIN_BLOCKS = 4096  # RANK_SELECT None: rows of NB_PAD >= this rank their candidates
+# RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
+# 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
+RANK_DEFAULT_BLOCKS = (4096,)
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
@@ -559,12 +561,12 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
 def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int]:
     """``(RANK_G, RANK_CAP)`` of the select launch: ``(0, 0)`` (the radix steps) unless the
     rank method applies: a radix-width row, ``KB_PAD <= RANK_MAX_KB_PAD``, and
-    ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD >= RANK_MIN_BLOCKS``. Then ``2 *
+    ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD in RANK_DEFAULT_BLOCKS``. Then ``2 *
     KB_PAD`` floor groups and ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates, both at most the
     row (``NB_PAD``)."""
     on = cfg.get("RANK_SELECT")
     if on is None:
-        on = nb_pad >= RANK_MIN_BLOCKS
+        on = nb_pad in RANK_DEFAULT_BLOCKS
     if not on or topk or kb_pad > RANK_MAX_KB_PAD:
         return 0, 0
     cap = min(cfg.get("RANK_CAP_MULT", 2) * kb_pad, nb_pad)
