@@ -326,7 +326,8 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   blocks);
 # - radix_steps / rank: the select's rank method (RANK_SELECT: the candidates above the k-th
 #   largest of 2 * KB_PAD group maxima, compacted and ranked by one [CAP, CAP] comparison; the
-#   default at 4096 blocks, session 31) off / on at every row width;
+#   default at 4096 blocks, session 31) off / on at every row width; rank_cross: on, with the
+#   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -344,6 +345,7 @@ _VARIANTS = {
     "merge_4w": (None, None, None, None, MERGE_NEVER),
     "radix_steps": (None, dict(RANK_SELECT=False)),
     "rank": (None, dict(RANK_SELECT=True)),
+    "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
     "again": (None, None),
 }
 

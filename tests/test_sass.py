@@ -275,6 +275,19 @@ def test_select_rank_build_reads_the_candidates_without_spills():
     assert 1 <= got["memory"].get("LDG.E.64", 0) <= 64 // 2 + 1, got["memory"]
 
 
+def test_select_cross_floor_needs_fewer_barriers():
+    """``RANK_FLOOR`` "cross" (``_cross_bounds``: row and column maxima of one view of the row,
+    compared without a layout change) builds with fewer CTA barriers than the ``[G, G]`` rank
+    of the strided group maxima, and no spills (sm_90, 4096 blocks, 8 warps)."""
+    flags = ("TOPK=False,NB_PAD=4096,KB_PAD=32,BLOCK_O=1024,EMIT_R=64,IDS_IN_REGS=True,"
+             "EARLY_SCORES=True,RANK_G=64,RANK_CAP=64")  # fmt: skip
+    groups = _sass("indexer-select", "--set", flags, "--warps", "8")
+    cross = _sass("indexer-select", "--set", flags + ",RANK_CROSS=True", "--warps", "8")
+    bars = [r["memory"].get("BAR.SYNC.DEFER_BLOCKING", 0) for r in (cross, groups)]
+    assert bars[0] < bars[1], bars
+    assert cross["stack"] == 0, cross["stack"]
+
+
 def test_merge_one_warp_tiles_keep_the_split_reductions_in_the_warp():
     """``MERGE_ONE_WARP_FROM``'s builds (one warp, ``merge_launch``'s tile) at 128 / 64 split
     slots, H=256: at most 2 CTA barriers, against 14 / 10 for the 4-warp tiles; no spills."""

@@ -201,8 +201,9 @@ def test_triton_layer_rank_select_equals_two_ops(monkeypatch):
     kw = make_layer_case(1, **CASES["radix_select"])
     _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    _select_defaults(monkeypatch, RANK_SELECT=True)
-    _same(layer(kw, "triton"), want)
+    for floor in ("groups", "cross"):
+        _select_defaults(monkeypatch, RANK_SELECT=True, RANK_FLOOR=floor)
+        _same(layer(kw, "triton"), want)
 
 
 def _select_defaults(monkeypatch, **over):
@@ -218,8 +219,9 @@ def test_gpu_layer_rank_select_matches_two_ops(case, monkeypatch):
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    _select_defaults(monkeypatch, RANK_SELECT=True)
-    _same(layer(kw, "triton"), want, exact=False)
+    for floor in ("groups", "cross"):
+        _select_defaults(monkeypatch, RANK_SELECT=True, RANK_FLOOR=floor)
+        _same(layer(kw, "triton"), want, exact=False)
 
 
 @gpu

@@ -32,12 +32,12 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1"])
+@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "rank_cross"])
 def method(request, monkeypatch):
     """The select methods on every row width (the host picks by NB_PAD): top-k, radix steps at
     each ``RADIX_BITS``, the rank method (``RANK_SELECT``, every budget) at its default
     capacity (``2 * KB_PAD`` candidates) and at ``KB_PAD`` (``rank_cap1``: rows of more
-    candidates take the radix steps from its floor)."""
+    candidates take the radix steps from its floor), and with ``RANK_FLOOR`` "cross"."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
     over = dict(RANK_SELECT=False)
@@ -46,6 +46,7 @@ def method(request, monkeypatch):
     elif not topk:
         over.update(RADIX_BITS=2, RANK_SELECT=True)
         over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 2
+        over["RANK_FLOOR"] = "cross" if request.param == "rank_cross" else "groups"
         monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
@@ -386,6 +387,7 @@ def test_score_config_fills_one_wave():
         (dict(RANK_SELECT=1), "RANK_SELECT"),
         (dict(RANK_CAP_MULT=3), "RANK_CAP_MULT"),
         (dict(RANK_CAP_MULT=True), "RANK_CAP_MULT"),
+        (dict(RANK_FLOOR="rows"), "RANK_FLOOR"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -410,21 +412,27 @@ def test_select_config_defaults():
 
 
 def test_select_rank_geometry():
-    """``(RANK_G, RANK_CAP)``: the rank floor over 2 * KB_PAD groups and RANK_CAP_MULT * KB_PAD
-    candidates (both capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for
-    tl.topk rows or budgets above RANK_MAX_KB_PAD."""
+    """``(RANK_G, RANK_CAP, RANK_CROSS)``: the rank floor over 2 * KB_PAD strided groups (or,
+    ``RANK_FLOOR`` "cross", NB_PAD / (2 * KB_PAD) columns) and RANK_CAP_MULT * KB_PAD candidates
+    (capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for tl.topk rows or
+    budgets above RANK_MAX_KB_PAD."""
     geo = select.rank_geometry
-    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2)
+    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR="groups")
+    on = dict(auto, RANK_SELECT=True)
     assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
-    assert geo(auto, False, 32, 4096) == (64, 64)
-    assert geo(auto, False, 32, 16384) == (0, 0)  # untimed at 8192 / 16384 blocks
-    assert geo(auto, False, 32, 2048) == (0, 0)  # lost at 2048 blocks (H100, session 31)
-    assert geo(dict(auto, RANK_SELECT=True), False, 32, 2048) == (64, 64)
-    assert geo(dict(auto, RANK_SELECT=True, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128)
-    assert geo(dict(auto, RANK_SELECT=True), False, 16, 16) == (16, 16)
-    assert geo(dict(auto, RANK_SELECT=False), False, 32, 4096) == (0, 0)
-    assert geo(dict(auto, RANK_SELECT=True), True, 32, 1024) == (0, 0)
-    assert geo(auto, False, 64, 4096) == (0, 0)
+    assert select.SELECT_DEFAULTS["RANK_FLOOR"] == "groups"
+    assert geo(auto, False, 32, 4096) == (64, 64, False)
+    assert geo(auto, False, 32, 16384) == (0, 0, False)  # untimed at 8192 / 16384 blocks
+    assert geo(auto, False, 32, 2048) == (0, 0, False)  # lost at 2048 blocks (H100, session 31)
+    assert geo(on, False, 32, 2048) == (64, 64, False)
+    assert geo(dict(on, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128, False)
+    assert geo(on, False, 16, 16) == (16, 16, False)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 4096) == (64, 64, True)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 2048) == (32, 64, True)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 16, 16) == (1, 16, True)
+    assert geo(dict(auto, RANK_SELECT=False), False, 32, 4096) == (0, 0, False)
+    assert geo(on, True, 32, 1024) == (0, 0, False)
+    assert geo(auto, False, 64, 4096) == (0, 0, False)
 
 
 @pytest.mark.parametrize("first", [False, True])

@@ -59,6 +59,7 @@ def select_prologue_kernel(
     PACKED_SCATTER: tl.constexpr = True,
     RANK_G: tl.constexpr = 0,
     RANK_CAP: tl.constexpr = 0,
+    RANK_CROSS: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows + B * S * head blocks,)``: ``select_row`` for each query row, then the
     prologue programs (token-major, ``cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H)`` per token)."""
@@ -71,7 +72,7 @@ def select_prologue_kernel(
             num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
             KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R,
             EARLY_SCORES, ONE_SCAN=ONE_SCAN, PACKED_SCATTER=PACKED_SCATTER, RANK_G=RANK_G,
-            RANK_CAP=RANK_CAP,
+            RANK_CAP=RANK_CAP, RANK_CROSS=RANK_CROSS,
         )  # fmt: skip
     else:
         head_blocks = tl.cdiv(NUM_HEADS, BLOCK_H) + tl.cdiv(KV_HEADS, BLOCK_H)
