@@ -350,6 +350,14 @@ def _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD: tl.constexpr,
 
 
 @triton.jit
+def _scratch_ids(scratch_row, k, KB_PAD: tl.constexpr):
+    """The k chosen block ids ``[KB_PAD]`` that ``_scatter_chosen`` wrote (zeros past k), in one
+    read."""
+    slots = tl.arange(0, KB_PAD)  # [KB_PAD]
+    return tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
+
+
+@triton.jit
 def select_row(
     row,  # query row b * S + s (int64)
     score_ptr,  # [rows, NB] fp32 block scores (score kernel output), row stride stride_sr
@@ -435,8 +443,7 @@ def select_row(
             lo, n_ge = _kth_largest(v, k, n_c, vmax, floor, RADIX_BITS)
             chosen = _chosen_from_lo(v, k, lo, n_ge)
             _scatter_chosen(chosen, offs_c, k, scratch_row, KB_PAD, ONE_SCAN, PACKED_SCATTER)
-            slots = tl.arange(0, KB_PAD)  # [KB_PAD]
-            ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
+            ids = _scratch_ids(scratch_row, k, KB_PAD)
         if CLOCKS:
             t_chosen = sm_clock(k)  # the chosen ids in registers
     else:
@@ -446,8 +453,7 @@ def select_row(
         if CLOCKS:
             t_chosen = sm_clock(k)  # after the chosen ids' scatter and the CTA barrier
         if IDS_IN_REGS:  # one read of the row's k block ids; the emission tiles gather them
-            slots = tl.arange(0, KB_PAD)  # [KB_PAD]
-            ids = tl.load(scratch_row + slots, mask=slots < k, other=0, cache_modifier=".cg")
+            ids = _scratch_ids(scratch_row, k, KB_PAD)
 
     # --- emission: chosen blocks' positions, trailing tokens, -1
     r = compress_ratio
@@ -548,6 +554,7 @@ SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=T
 # RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
 # 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
 RANK_DEFAULT_BLOCKS = (4096,)
+_HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR")  # cfg keys, not constexprs
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
@@ -596,19 +603,20 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
 
 
 def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int, bool]:
-    """``(RANK_G, RANK_CAP, RANK_CROSS)`` of the select launch: ``(0, 0, False)`` (the radix
-    steps) unless the rank method applies: a radix-width row, ``KB_PAD <= RANK_MAX_KB_PAD``,
-    and ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD in RANK_DEFAULT_BLOCKS``. Then
+    """``(RANK_G, RANK_CAP, RANK_CROSS)`` of the select launch for ``cfg`` (``select_config``'s
+    output): ``(0, 0, False)`` (the radix steps) unless the rank method applies: a radix-width
+    row, ``KB_PAD <= RANK_MAX_KB_PAD``, and ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD
+    in RANK_DEFAULT_BLOCKS``. Then
     ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates (at most the row) and the floor's groups:
     ``RANK_FLOOR`` "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD
     // (2 * KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``)."""
-    on = cfg.get("RANK_SELECT")
+    on = cfg["RANK_SELECT"]
     if on is None:
         on = nb_pad in RANK_DEFAULT_BLOCKS
     if not on or topk or kb_pad > RANK_MAX_KB_PAD:
         return 0, 0, False
-    cap = max(kb_pad, min(cfg.get("RANK_CAP_MULT", 2) * kb_pad, nb_pad))
-    if cfg.get("RANK_FLOOR", "groups") == "cross":
+    cap = max(kb_pad, min(cfg["RANK_CAP_MULT"] * kb_pad, nb_pad))
+    if cfg["RANK_FLOOR"] == "cross":
         return max(1, nb_pad // (2 * kb_pad)), cap, True
     return min(2 * kb_pad, nb_pad), cap, False
 
@@ -696,10 +704,8 @@ def select_launch_args(
     width = max(kb, 2 * rank_cap, 1)
     scratch = idx if topk else empty((rows, width + width % 2), dtype=torch.int32, device=dev)
     emit_r = emit_ratio(tune, r, kb_pad)
-    tune.pop("EMIT_2D", None)
-    tune.pop("RANK_SELECT", None)
-    tune.pop("RANK_CAP_MULT", None)
-    tune.pop("RANK_FLOOR", None)
+    for key in _HOST_KEYS:  # decided on the host above, not kernel arguments
+        tune.pop(key)
     if tune.get("EARLY_SCORES") is None:
         tune["EARLY_SCORES"] = not is_first_prompt
     args = dict(
