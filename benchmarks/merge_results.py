@@ -25,6 +25,9 @@ def _merge_rows(old_rows: list, new_rows: list, keys: list[str] | None) -> list:
     if not keys:  # whole sections
         sections = {str(r.get("section", "")) for r in new_rows}
         return [r for r in old_rows if str(r.get("section", "")) not in sections] + new_rows
+    missing = sorted({k for r in new_rows for k in keys if k not in r})
+    if missing:  # a misspelt key would make every row match every other
+        raise ValueError(f"--keys {','.join(keys)}: the new rows lack {missing}")
     ident = lambda r: tuple(r.get(k) for k in keys)  # noqa: E731
     fresh = {ident(r): r for r in new_rows}
     rows = [fresh.pop(ident(r), r) for r in old_rows]

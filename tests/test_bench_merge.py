@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import merge_results  # noqa: E402
 
@@ -44,3 +46,13 @@ def test_merge_by_keys_replaces_matching_rows_only(tmp_path):
     merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--keys", "section,T"])
     got = json.loads((tmp_path / "z.json").read_text())
     assert [r["v"] for r in got["rows"]] == [1, 3, 5, 4]
+
+
+def test_merge_by_keys_names_a_key_the_rows_lack(tmp_path):
+    old = dict(op="w", meta={}, notes=[], rows=[{"section": "a", "T": 1, "v": 1}])
+    new = dict(op="w", meta={}, notes=[], rows=[{"section": "a", "T": 1, "v": 2}])
+    (tmp_path / "w.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    with pytest.raises(ValueError, match="lack \\['S'\\]"):
+        merge_results.main([str(tmp_path / "new.json"), "--into", str(tmp_path), "--keys", "T,S"])
+    assert json.loads((tmp_path / "w.json").read_text()) == old
