@@ -326,8 +326,11 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   blocks);
 # - radix_steps / rank: the select's rank method (RANK_SELECT: the candidates above the k-th
 #   largest of 2 * KB_PAD group maxima, compacted and ranked by one [CAP, CAP] comparison; the
-#   default at 4096 blocks, session 31) off / on at every row width; rank_cross: on, with the
-#   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed);
+#   default at 4096 blocks, session 31) off / on at every row width (with the default floor:
+#   the score launch's tile maxima where its tiling serves them); rank_cross: on, with the
+#   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed); rank_groups: the
+#   session-31 floor (the k-th of 2 * KB_PAD strided group maxima, reduced in the select)
+#   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -346,6 +349,8 @@ _VARIANTS = {
     "radix_steps": (None, dict(RANK_SELECT=False)),
     "rank": (None, dict(RANK_SELECT=True)),
     "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
+    "rank_groups": (None, dict(RANK_FLOOR="groups")),
+    "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
     "again": (None, None),
 }
 

@@ -203,7 +203,7 @@ def _presets(cache: str):
                        SINK_FROM_PTR=False, PDL=True, EARLY_O=True), 4, 1),
         "indexer-select": (indexer_select_kernel,
                            {"score_ptr": "*fp32", "clk_ptr": "*i64", **{f"{n}_ptr": "*i32" for n in
-                                                     ("seqlens", "scratch", "idx", "cnt")}},
+                                                     ("seqlens", "scratch", "idx", "cnt", "tmax")}},
                            dict(NB_PAD=2048, KB_PAD=32, BLOCK_O=1024, TOPK=False, RADIX_BITS=2,
                                 IDS_IN_REGS=True, IS_FIRST_PROMPT=False, PDL=False, EMIT_R=0), 8, 1),
     }  # fmt: skip

@@ -48,9 +48,14 @@ def _layers(b, s, t):
 
 
 def _scored_layers(b, s, t):
-    """``(seqlens, layers, num_blocks, scores)``: ``_layers`` and every layer's default scores."""
+    """``(seqlens, layers, num_blocks, scores)``: ``_layers`` and every layer's default scores,
+    each ``(scores, tile maxima)`` (the score launch's ``tile_max``, which the select's rank
+    method may take as its floor)."""
     seqlens, layers = _layers(b, s, t)
-    return seqlens, layers, layers[0][1].shape[1], [_scores(q, k, seqlens, None) for q, k in layers]
+    scored = [ix.indexer_scores_and_tiles(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
+                                          scale=DI**-0.5, is_first_prompt=False, tile_max=True)
+              for q, k in layers]  # fmt: skip
+    return seqlens, layers, layers[0][1].shape[1], scored
 
 
 def _scores(q, k, seqlens, cfg):
@@ -58,9 +63,15 @@ def _scores(q, k, seqlens, cfg):
                              scale=DI**-0.5, is_first_prompt=False, cfg=cfg)  # fmt: skip
 
 
-def _select(sc, seqlens, s, nb, cfg=None, budget=BUDGET):
+def _select(scored, seqlens, s, nb, cfg=None, budget=BUDGET, **kw):
+    """The select launch over ``scored = (scores, tile maxima)``; the tile maxima go in when
+    the launch would ask the score kernel for them (``select.wants_tile_max``)."""
+    sc, tmax = scored
+    if not sl.wants_tile_max(nb, budget, R, cfg):
+        tmax = None
     return sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
-                             token_budget=budget, is_first_prompt=False, cfg=cfg)  # fmt: skip
+                             token_budget=budget, is_first_prompt=False, cfg=cfg, tile_max=tmax,
+                             **kw)  # fmt: skip
 
 
 SELECT_GRID = dict(warps=(8,), bits=(2, 3), block_o=(1024, 4096), emit_2d=(False, True))
@@ -83,7 +94,7 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid
             cfg["S_TILE"] = st
         try:
             got = _scores(*layers[0], seqlens, cfg)
-            err = float(((got - base[0]).abs() / base[0].abs().clamp_min(1e-3))
+            err = float(((got - base[0][0]).abs() / base[0][0].abs().clamp_min(1e-3))
                         .nan_to_num(0.0).max())  # fmt: skip
             us = graph_bench_chain([lambda q=q, k=k, cfg=cfg: _scores(q, k, seqlens, cfg)
                                     for q, k in layers], min_time_s=0.05)["median_us"]  # fmt: skip
@@ -136,9 +147,7 @@ def select_phases(b, s, t, rows, budget=BUDGET, reps=20, cfg=None):
     samples = []
     for _ in range(reps):
         for sc in base:
-            sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
-                              token_budget=budget, is_first_prompt=False, cfg=cfg,
-                              clocks=marks)  # fmt: skip
+            _select(sc, seqlens, s, nb, cfg, budget=budget, clocks=marks)
             samples.append(marks.clone())
     m = torch.stack(samples).double()  # [calls, rows, marks]
     d = m.diff(dim=2)  # [calls, rows, marks - 1]

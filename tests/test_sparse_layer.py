@@ -197,11 +197,12 @@ def test_triton_layer_one_warp_merge_equals_two_ops(monkeypatch):
 @interpret
 def test_triton_layer_rank_select_equals_two_ops(monkeypatch):
     """The select's rank method (``RANK_SELECT``) in the layer's co-launch: the two ops'
-    outputs with the radix steps."""
+    outputs with the radix steps; every floor (``RANK_FLOOR`` "tiles": the score launch's
+    tile maxima, 71 tiles of 16 blocks here)."""
     kw = make_layer_case(1, **CASES["radix_select"])
     _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    for floor in ("groups", "cross"):
+    for floor in ("groups", "cross", "tiles"):
         _select_defaults(monkeypatch, RANK_SELECT=True, RANK_FLOOR=floor)
         _same(layer(kw, "triton"), want)
 
@@ -214,12 +215,14 @@ def _select_defaults(monkeypatch, **over):
 @pytest.mark.parametrize("case", [dict(b=1, s=1, total=262144), dict(b=4, s=8, total=131072)])
 def test_gpu_layer_rank_select_matches_two_ops(case, monkeypatch):
     """The rank method vs the radix steps (two ops) at real shapes: identical selections,
-    outputs within rounding."""
+    outputs within rounding. Floor None: the tile maxima where the score launch's tiling
+    serves them (B=1 S=1 256K: 128 tiles of 32 blocks; B=4 S=8 128K: 32 tiles of 64, too
+    few: the groups floor)."""
     kw = make_layer_case(8, **dict(dict(b=1, s=1, n=24, kv=4, h=256, r=64, budget=2048, ni=16,
                                         di=128, total=9000, dtype=torch.bfloat16), **case))  # fmt: skip
     _select_defaults(monkeypatch, RANK_SELECT=False)
     want = two_ops(kw, "triton")
-    for floor in ("groups", "cross"):
+    for floor in ("groups", "cross", None):
         _select_defaults(monkeypatch, RANK_SELECT=True, RANK_FLOOR=floor)
         _same(layer(kw, "triton"), want, exact=False)
 

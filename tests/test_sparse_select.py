@@ -32,24 +32,57 @@ def _poison_buffers(monkeypatch):
     monkeypatch.setattr(indexer, "_empty", poisoned)
 
 
-@pytest.fixture(params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "rank_cross"])
+_TILES = {"on": False}  # rank_tiles: run_select passes tile maxima (tile_maxima)
+
+
+@pytest.fixture(
+    params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "rank_cross", "rank_tiles"]
+)
 def method(request, monkeypatch):
     """The select methods on every row width (the host picks by NB_PAD): top-k, radix steps at
     each ``RADIX_BITS``, the rank method (``RANK_SELECT``, every budget) at its default
     capacity (``2 * KB_PAD`` candidates) and at ``KB_PAD`` (``rank_cap1``: rows of more
-    candidates take the radix steps from its floor), and with ``RANK_FLOOR`` "cross"."""
+    candidates take the radix steps from its floor), with ``RANK_FLOOR`` "cross", and with the
+    floor from tile maxima (``rank_tiles``: ``run_select`` passes ``tile_maxima`` of the scores;
+    rows whose budget no tiling serves keep the "groups" floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
+    monkeypatch.setitem(_TILES, "on", request.param == "rank_tiles")
     over = dict(RANK_SELECT=False)
     if request.param.startswith("radix"):
         over.update(RADIX_BITS=int(request.param[5]))
     elif not topk:
         over.update(RADIX_BITS=2, RANK_SELECT=True)
         over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 2
-        over["RANK_FLOOR"] = "cross" if request.param == "rank_cross" else "groups"
+        floor = {"rank_cross": "cross", "rank_tiles": None}.get(request.param, "groups")
+        over["RANK_FLOOR"] = floor
         monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
+
+
+def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
+    """What the score kernel's ``TILE_MAX`` writes for ``scores [B*S, NB]``: per row and tile of
+    ``tile`` contiguous blocks, the largest select key (``select._order_keys``: fp32 bits of a
+    score >= +0.0, -0.0 -> 0, NaN -> 0x7F800001) of its visible blocks, -1 where none."""
+    nb = scores.shape[1]
+    rows = indexer_rows(seqlens_k, s, first, r, nb)
+    bits = scores.contiguous().view(torch.int32)
+    key = torch.where(scores.isnan(), 0x7F800001, torch.clamp(bits, min=0))
+    vis = torch.arange(nb, device=scores.device)[None, :] < rows.n_complete[:, None]
+    key = torch.where(vis, key, -1)
+    n_tiles = -(-nb // tile)
+    key = torch.nn.functional.pad(key, (0, n_tiles * tile - nb), value=-1)
+    return key.view(-1, n_tiles, tile).amax(-1).to(torch.int32)
+
+
+def _tile_width(nb, budget, r):
+    """A tiling with at least 2 * KB_PAD and at most RANK_MAX_TILES tiles, odd where it can be
+    (tiles that straddle the padded row; non-power-of-two tile counts)."""
+    kb_pad = min(max(2, 1 << max(0, budget // r - 1).bit_length()), max(16, nb))
+    tile = max(1, nb // (2 * kb_pad))
+    tile = tile - 1 if tile > 2 and tile % 2 == 0 else tile
+    return max(tile, -(-nb // select.RANK_MAX_TILES))
 
 
 def select_from_scores(scores, seqlens_k, *, s, r, budget, first):
@@ -69,10 +102,14 @@ def select_from_scores(scores, seqlens_k, *, s, r, budget, first):
 
 
 def run_select(scores, sk, *, s, r, budget, first):
+    tmax = None
+    if _TILES["on"]:
+        tile = _tile_width(scores.shape[1], budget, r)
+        tmax = tile_maxima(scores, sk, s=s, r=r, first=first, tile=tile)
     return select.indexer_select(
         scores, sk, seq_len=s, num_blocks=scores.shape[1], compress_ratio=r,
         token_budget=budget, is_first_prompt=first, interpret=DEV == "cpu",
-        empty=lambda shape, *, dtype, device: nan_tensor(shape, dtype, device),
+        empty=lambda shape, *, dtype, device: nan_tensor(shape, dtype, device), tile_max=tmax,
     )  # fmt: skip
 
 
@@ -196,6 +233,55 @@ def test_select_never_reads_invisible_scores(method, early, monkeypatch):
     got = check_select(poisoned, sk, s=1, r=r, budget=budget)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[1].tolist() == [16 + 2, 8 + 3, 3]
+
+
+@interpret
+@pytest.mark.parametrize("first", [False, True])
+def test_score_kernel_tile_maxima(first):
+    """``indexer_scores(tile_max=True)``: per row and score program's tile of blocks, the
+    largest select key of its visible blocks (-1: none), as ``tile_maxima`` computes from the
+    same launch's scores; ragged rows, a row without a complete block, first-prompt padding
+    rows, a partial last tile; the scores equal those of the launch without tile maxima."""
+    iq, keys, sk = _int_case(3, b=3, s=4, ni=2, di=16, nb=37, seqlens=[150, 2, 90])
+    kw = dict(num_index_heads=2, compress_ratio=4, scale=0.5, is_first_prompt=first)
+    if first:
+        sk = torch.tensor([3, 1, 2], dtype=torch.int32, device=DEV)
+    scores, tmax = indexer.indexer_scores_and_tiles(iq, keys, sk, tile_max=True, **kw)
+    block_b = indexer.score_config(3, 4, 2, 37, 132, DEV == "cpu")["BLOCK_B"]
+    assert tmax.shape == (12, -(-37 // block_b)) and tmax.dtype == torch.int32
+    want = tile_maxima(scores, sk, s=4, r=4, first=first, tile=block_b)
+    assert torch.equal(tmax, want)
+    assert (tmax == -1).any() and (tmax >= 0).any()
+    assert torch.equal(scores, indexer.indexer_scores(iq, keys, sk, **kw))
+
+
+@interpret
+def test_select_tile_max_argument():
+    """``tile_max`` must be ``[rows, n_tiles]`` int32 with a contiguous last dim; the rank
+    method takes it (``RANK_TILES``) when ``tiles_usable``, else keeps its groups floor; an
+    explicit ``RANK_FLOOR`` "tiles" without usable tiles is an error naming the count."""
+    kw = dict(seq_len=1, num_blocks=1100, compress_ratio=16, token_budget=64,
+              is_first_prompt=False)  # fmt: skip
+    sc, sk = torch.rand(2, 1100), torch.tensor([600, 9], dtype=torch.int32)
+    good = torch.zeros(2, 8, dtype=torch.int32)
+    over = dict(select.SELECT_DEFAULTS, RANK_SELECT=True)
+    *_, args = select.select_launch_args(sc, sk, tile_max=good, cfg=over, **kw)
+    assert args["RANK_TILES"] == 8 and args["n_tiles"] == 8 and args["tmax_ptr"] is good
+    *_, args = select.select_launch_args(sc, sk, tile_max=good[:, :7], cfg=over, **kw)
+    assert "RANK_TILES" not in args and args["RANK_G"] == 8  # 7 < 2 * KB_PAD: groups
+    with pytest.raises(ValueError, match="got 7"):
+        select.select_launch_args(sc, sk, tile_max=good[:, :7],
+                                  cfg=dict(over, RANK_FLOOR="tiles"), **kw)  # fmt: skip
+    *_, args = select.select_launch_args(sc, sk, tile_max=good, **kw)  # rank off at 2048
+    assert "RANK_TILES" not in args and args["RANK_CAP"] == 0
+    for bad in (good.long(), good[:1], good.t().contiguous().t(), good[0]):
+        with pytest.raises(ValueError, match=r"tile_max must be \[2, n_tiles\] int32"):
+            select.select_launch_args(sc, sk, tile_max=bad, cfg=over, **kw)
+    assert select.wants_tile_max(4096, 2048, 64) and not select.wants_tile_max(2048, 2048, 64)
+    assert select.wants_tile_max(2048, 2048, 64, cfg=dict(RANK_SELECT=True))
+    assert not select.wants_tile_max(4096, 2048, 64, cfg=dict(RANK_FLOOR="groups"))
+    assert not select.wants_tile_max(4096, 8192, 64)  # KB_PAD 128: radix steps
+    assert not select.wants_tile_max(4096, 32, 64)  # no block to choose
 
 
 @interpret
@@ -412,27 +498,35 @@ def test_select_config_defaults():
 
 
 def test_select_rank_geometry():
-    """``(RANK_G, RANK_CAP, RANK_CROSS)``: the rank floor over 2 * KB_PAD strided groups (or,
-    ``RANK_FLOOR`` "cross", NB_PAD / (2 * KB_PAD) columns) and RANK_CAP_MULT * KB_PAD candidates
+    """``(RANK_G, RANK_CAP, RANK_CROSS, RANK_TILES)``: the rank floor over 2 * KB_PAD strided
+    groups (``RANK_FLOOR`` "cross": NB_PAD / (2 * KB_PAD) columns; None: the given tile maxima
+    when there are 2 * KB_PAD to RANK_MAX_TILES of them) and RANK_CAP_MULT * KB_PAD candidates
     (capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for tl.topk rows or
     budgets above RANK_MAX_KB_PAD."""
     geo = select.rank_geometry
-    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR="groups")
+    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None)
     on = dict(auto, RANK_SELECT=True)
     assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
-    assert select.SELECT_DEFAULTS["RANK_FLOOR"] == "groups"
-    assert geo(auto, False, 32, 4096) == (64, 64, False)
-    assert geo(auto, False, 32, 16384) == (0, 0, False)  # untimed at 8192 / 16384 blocks
-    assert geo(auto, False, 32, 2048) == (0, 0, False)  # lost at 2048 blocks (H100, session 31)
-    assert geo(on, False, 32, 2048) == (64, 64, False)
-    assert geo(dict(on, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128, False)
-    assert geo(on, False, 16, 16) == (16, 16, False)
-    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 4096) == (64, 64, True)
-    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 2048) == (32, 64, True)
-    assert geo(dict(on, RANK_FLOOR="cross"), False, 16, 16) == (1, 16, True)
-    assert geo(dict(auto, RANK_SELECT=False), False, 32, 4096) == (0, 0, False)
-    assert geo(on, True, 32, 1024) == (0, 0, False)
-    assert geo(auto, False, 64, 4096) == (0, 0, False)
+    assert select.SELECT_DEFAULTS["RANK_FLOOR"] is None
+    assert geo(auto, False, 32, 4096) == (64, 64, False, 0)
+    assert geo(auto, False, 32, 4096, 128) == (0, 64, False, 128)  # the score launch's tiles
+    assert geo(auto, False, 32, 4096, 63) == (64, 64, False, 0)  # too few tiles: groups
+    assert geo(auto, False, 32, 4096, 257) == (64, 64, False, 0)  # too many to rank
+    assert geo(on, False, 32, 2048, 100) == (0, 64, False, 128)  # padded to a power of two
+    assert geo(dict(auto, RANK_FLOOR="groups"), False, 32, 4096, 128) == (64, 64, False, 0)
+    with pytest.raises(ValueError, match="64 to 256 tile maxima per row, got 0"):
+        geo(dict(on, RANK_FLOOR="tiles"), False, 32, 4096)
+    assert geo(auto, False, 32, 16384) == (0, 0, False, 0)  # untimed at 8192 / 16384 blocks
+    assert geo(auto, False, 32, 2048) == (0, 0, False, 0)  # lost at 2048 (H100, session 31)
+    assert geo(on, False, 32, 2048) == (64, 64, False, 0)
+    assert geo(dict(on, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128, False, 0)
+    assert geo(on, False, 16, 16) == (16, 16, False, 0)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 4096, 128) == (64, 64, True, 0)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 32, 2048) == (32, 64, True, 0)
+    assert geo(dict(on, RANK_FLOOR="cross"), False, 16, 16) == (1, 16, True, 0)
+    assert geo(dict(auto, RANK_SELECT=False), False, 32, 4096, 128) == (0, 0, False, 0)
+    assert geo(on, True, 32, 1024) == (0, 0, False, 0)
+    assert geo(auto, False, 64, 4096, 128) == (0, 0, False, 0)
 
 
 @pytest.mark.parametrize("first", [False, True])

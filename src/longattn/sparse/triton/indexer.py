@@ -37,7 +37,7 @@ from ..._triton_utils import (
 )
 from ..._triton_utils import interpret as _interpret
 from .._shared import emit_selection, indexer_rows
-from .select import MAX_BLOCKS, indexer_select
+from .select import MAX_BLOCKS, _order_keys, indexer_select, wants_tile_max
 
 _empty = torch.empty  # buffers of this tier (tests poison them)
 
@@ -85,6 +85,9 @@ def indexer_score_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     DOT_PREC: tl.constexpr = "ieee",  # both dots: "ieee" (fp32 FMA), "bf16x6" or "split3" (MMA)
     TRIGGER: tl.constexpr = False,  # the next grid may launch once this one runs
+    tmax_ptr=None,  # TILE_MAX: [B*S, cdiv(NB, BLOCK_B)] int32 out, row stride tmax_stride
+    tmax_stride=0,
+    TILE_MAX: tl.constexpr = False,  # also each row's largest select key in this tile
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     release_dependents(TRIGGER)
@@ -151,7 +154,11 @@ def indexer_score_kernel(
         val = (ordered.to(tl.int64) << 32) | tie[None, :]  # the sort key
     else:
         val = score
-    tl.store(dst, val, mask=((offs_s < S_TILE) & (srow < seq_len))[:, None] & mask_c[None, :])
+    row_ok = (offs_s < S_TILE) & (srow < seq_len)  # [BLOCK_S]
+    tl.store(dst, val, mask=row_ok[:, None] & mask_c[None, :])
+    if TILE_MAX:  # the select's rank floor (select._tile_bounds): the largest key of the tile
+        keys = _order_keys(score, visible & mask_c[None, :])  # [BLOCK_S, BLOCK_B] (-1: none)
+        tl.store(tmax_ptr + out_rows * tmax_stride + pid_b, tl.max(keys, 1), mask=row_ok)
 
 
 BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
@@ -209,13 +216,14 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
-                  scale, is_first_prompt, out_keys, cfg=None) -> torch.Tensor:  # fmt: skip
+                  scale, is_first_prompt, out_keys, cfg=None, tile_max=False):  # fmt: skip
+    """``(out, tile maxima or None)``: see ``indexer_scores``."""
     b, s, dq = index_query.shape
     nb, di = index_block_keys.shape[1:]
     dtype = torch.int64 if out_keys else torch.float32
     out = _empty((b * s, nb), dtype=dtype, device=index_query.device)
     if out.numel() == 0:
-        return out
+        return out, None
     if cfg is None:
         cfg = score_config(b, s, num_index_heads, nb, device_sms(index_query), _interpret())
     cfg = dict(cfg)
@@ -232,6 +240,10 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
     elif prec == "split3" and index_query.dtype != torch.bfloat16:
         cfg["DOT_PREC"] = "bf16x6"  # split3 takes the query as exact bf16 values
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
+    tmax = None
+    if tile_max:
+        tmax = _empty((b * s, grid[0]), dtype=torch.int32, device=index_query.device)
+        cfg.update(tmax_ptr=tmax, tmax_stride=tmax.stride(0), TILE_MAX=True)
     indexer_score_kernel[grid](
         **pdl_kwargs(index_query, trigger=True),
         q_ptr=index_query,
@@ -255,7 +267,7 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         OUT_KEYS=out_keys,
         **cfg,
     )
-    return out
+    return out, tmax
 
 
 def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
@@ -263,15 +275,31 @@ def indexer_sort_keys(index_query, index_block_keys, seqlens_k, *, num_index_hea
     """The kernel's int64 sort keys ``[B*S, NB]`` (see the module docstring)."""
     return _score_launch(index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
                          compress_ratio=compress_ratio, scale=scale,
-                         is_first_prompt=is_first_prompt, out_keys=True, cfg=cfg)  # fmt: skip
+                         is_first_prompt=is_first_prompt, out_keys=True, cfg=cfg)[0]  # fmt: skip
 
 
 def indexer_scores(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
                    scale, is_first_prompt, cfg=None) -> torch.Tensor:  # fmt: skip
     """The kernel's fp32 block scores ``[B*S, NB]`` (``-inf`` where not visible)."""
-    return _score_launch(index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
-                         compress_ratio=compress_ratio, scale=scale,
-                         is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg)  # fmt: skip
+    return indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k,
+                                    num_index_heads=num_index_heads,
+                                    compress_ratio=compress_ratio, scale=scale,
+                                    is_first_prompt=is_first_prompt, cfg=cfg)[0]  # fmt: skip
+
+
+def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_index_heads,
+                             compress_ratio, scale, is_first_prompt, cfg=None,
+                             tile_max=False):  # fmt: skip
+    """``(scores, tile maxima)`` of one score launch: the fp32 block scores of
+    ``indexer_scores`` and, with ``tile_max``, ``[B*S, cdiv(NB, BLOCK_B)]`` int32: for each
+    row and tile of ``BLOCK_B`` contiguous blocks (one score program's) the largest of the
+    select's order keys (``select._order_keys``) of its visible blocks, -1 where it has none
+    (``select_launch_args(tile_max=...)``: the rank method's floor); None without
+    ``tile_max`` or for an empty output."""
+    return _score_launch(index_query, index_block_keys, seqlens_k,
+                         num_index_heads=num_index_heads, compress_ratio=compress_ratio,
+                         scale=scale, is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg,
+                         tile_max=tile_max)  # fmt: skip
 
 
 def select_supported(num_blocks: int) -> bool:
@@ -309,12 +337,15 @@ def indexer_triton(
     kw = dict(num_index_heads=num_index_heads, compress_ratio=r, scale=scale,
               is_first_prompt=is_first_prompt, cfg=cfg)  # fmt: skip
     if fused_select and select_supported(nb):
-        scores = None
+        scores = tmax = None
         if kb > 0 and nb > 0:
-            scores = indexer_scores(index_query, index_block_keys, seqlens_k, **kw)
+            scores, tmax = indexer_scores_and_tiles(
+                index_query, index_block_keys, seqlens_k, **kw,
+                tile_max=wants_tile_max(nb, token_budget, r),
+            )  # fmt: skip
         return indexer_select(scores, seqlens_k, seq_len=s, num_blocks=nb, compress_ratio=r,
                               token_budget=token_budget, is_first_prompt=is_first_prompt,
-                              interpret=_interpret(), empty=_empty)  # fmt: skip
+                              interpret=_interpret(), empty=_empty, tile_max=tmax)  # fmt: skip
     # fallback (rows of more than select.MAX_BLOCKS blocks): torch top-k over the sort keys
     rows = indexer_rows(seqlens_k, s, is_first_prompt, r, nb)
     n_sel = torch.clamp(rows.n_complete, max=kb)

@@ -27,8 +27,8 @@ from ...gqa.triton.launch import prologue_launch_args
 from ...gqa.triton.prologue import prologue_program
 from .._params import DSAParams
 from .decode import dsa_triton, q_buffers, triton_prologue_fits
-from .indexer import indexer_scores, select_supported
-from .select import select_launch_args, select_row
+from .indexer import indexer_scores_and_tiles, select_supported
+from .select import select_launch_args, select_row, wants_tile_max
 
 _empty = torch.empty  # buffers of this launcher (tests poison them with NaN)
 
@@ -60,6 +60,7 @@ def select_prologue_kernel(
     RANK_G: tl.constexpr = 0,
     RANK_CAP: tl.constexpr = 0,
     RANK_CROSS: tl.constexpr = False,
+    tmax_ptr=None, tmax_stride=0, n_tiles=0, RANK_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows + B * S * head blocks,)``: ``select_row`` for each query row, then the
     prologue programs (token-major, ``cdiv(N, BLOCK_H) + cdiv(KV, BLOCK_H)`` per token)."""
@@ -72,7 +73,8 @@ def select_prologue_kernel(
             num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
             KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R,
             EARLY_SCORES, ONE_SCAN=ONE_SCAN, PACKED_SCATTER=PACKED_SCATTER, RANK_G=RANK_G,
-            RANK_CAP=RANK_CAP, RANK_CROSS=RANK_CROSS,
+            RANK_CAP=RANK_CAP, RANK_CROSS=RANK_CROSS, tmax_ptr=tmax_ptr, tmax_stride=tmax_stride,
+            n_tiles=n_tiles, RANK_TILES=RANK_TILES,
         )  # fmt: skip
     else:
         head_blocks = tl.cdiv(NUM_HEADS, BLOCK_H) + tl.cdiv(KV_HEADS, BLOCK_H)
@@ -126,14 +128,16 @@ def sparse_layer_triton(
     nb = index_block_keys.shape[1]
     r = compress_ratio
     first = p.is_first_prompt
-    scores = None
+    scores = tmax = None
     if token_budget // r > 0 and nb > 0:
-        scores = indexer_scores(index_query, index_block_keys, seqlens_k,
-                                num_index_heads=num_index_heads, compress_ratio=r,
-                                scale=index_scale, is_first_prompt=first)  # fmt: skip
+        scores, tmax = indexer_scores_and_tiles(
+            index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+            compress_ratio=r, scale=index_scale, is_first_prompt=first,
+            tile_max=wants_tile_max(nb, token_budget, r),
+        )  # fmt: skip
     sel, cnt, sel_args = select_launch_args(
         scores, seqlens_k, seq_len=s, num_blocks=nb, compress_ratio=r, token_budget=token_budget,
-        is_first_prompt=first, interpret=_interpret(), empty=_empty,
+        is_first_prompt=first, interpret=_interpret(), empty=_empty, tile_max=tmax,
     )  # fmt: skip
     q_rot, q_scale = q_buffers(query, present_key, p)
     rows = sel.shape[0]

@@ -245,6 +245,31 @@ def _desc_rank(u):
 
 
 @triton.jit
+def _kth_of_maxima(gmax, k, G: tl.constexpr):
+    """``(vmax, floor)`` from the maxima ``gmax [G]`` (int32 keys, -1: empty) of G disjoint
+    groups of a row's keys: the largest, and the k-th largest maximum (0 when fewer than k
+    groups hold a key). The k groups of the best maxima each hold a key ``>= floor``, so
+    ``floor`` is at most the k-th largest key."""
+    g = tl.arange(0, G)  # [G]
+    u = (gmax.to(tl.int64) << 16) | (G - 1 - g)  # [G] distinct: higher max, then lower group
+    kth = tl.where(_desc_rank(u) == k - 1, gmax, -1)  # [G] the k-th largest maximum, else -1
+    vmax, floor = tl.reduce((gmax, kth), 0, _max2)
+    return vmax, tl.maximum(floor, 0)  # k = 0: no key is counted (floor 0 > v = -1)
+
+
+@triton.jit
+def _tile_bounds(tmax_row, n_tiles, k, NT: tl.constexpr):
+    """``(vmax, floor)`` of the rank method from the score kernel's tile maxima (``RANK_FLOOR
+    "tiles"``): ``tmax_row[:n_tiles]`` holds the largest key of each tile of contiguous blocks
+    (``indexer_score_kernel``'s ``TILE_MAX``). The same floor as ``_rank_bounds`` over
+    ``n_tiles`` contiguous groups, without reducing the row here: the group maxima come with
+    the scores, in one load that does not wait for them."""
+    t = tl.arange(0, NT)  # [NT]
+    tmax = tl.load(tmax_row + t, mask=t < n_tiles, other=-1)  # [NT] int32 (-1: no key)
+    return _kth_of_maxima(tmax, k, NT)
+
+
+@triton.jit
 def _rank_bounds(v, k, NB_PAD: tl.constexpr, G: tl.constexpr):
     """``(vmax, floor)`` of the keys ``v [NB_PAD]`` for the rank method: the largest key and
     the k-th largest of the maxima of the ``G >= KB_PAD >= k`` strided groups ``c = g (mod
@@ -254,11 +279,7 @@ def _rank_bounds(v, k, NB_PAD: tl.constexpr, G: tl.constexpr):
     ``>= floor`` at G = 2 k (i.i.d. keys, 2048 / 4096 blocks: median 43, 99th percentile 55,
     max 64 of 2000 rows at k = 32), against ~3.8 k for the least of k group maxima."""
     gmax = tl.max(tl.reshape(v, [NB_PAD // G, G]), 0)  # [G] group maxima (-1: empty group)
-    g = tl.arange(0, G)  # [G]
-    u = (gmax.to(tl.int64) << 16) | (G - 1 - g)  # [G] distinct: higher max, then lower group
-    kth = tl.where(_desc_rank(u) == k - 1, gmax, -1)  # [G] the k-th largest maximum, else -1
-    vmax, floor = tl.reduce((gmax, kth), 0, _max2)
-    return vmax, tl.maximum(floor, 0)  # k = 0: no key is counted (floor 0 > v = -1)
+    return _kth_of_maxima(gmax, k, G)
 
 
 @triton.jit
@@ -388,6 +409,10 @@ def select_row(
     RANK_G: tl.constexpr = 0,  # rank method (RANK_CAP > 0): strided groups of its floor
     RANK_CAP: tl.constexpr = 0,  # > 0: rank method, rows of more candidates take radix steps
     RANK_CROSS: tl.constexpr = False,  # rank method: _cross_bounds' floor, RANK_G columns (cfg)
+    tmax_ptr=None,  # RANK_TILES: [rows, n_tiles] int32 tile maxima of the score kernel
+    tmax_stride=0,
+    n_tiles=0,
+    RANK_TILES: tl.constexpr = 0,  # > 0 (rank method): _tile_bounds' floor over RANK_TILES
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -426,7 +451,9 @@ def select_row(
     if TOPK:
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     elif RANK_CAP > 0:  # radix-width rows: rank the few candidates above a tight floor
-        if RANK_CROSS:
+        if RANK_TILES > 0:
+            vmax, floor = _tile_bounds(tmax_ptr + row * tmax_stride, n_tiles, k, RANK_TILES)
+        elif RANK_CROSS:
             vmax, floor = _cross_bounds(v, k, NB_PAD, RANK_G)
         else:
             vmax, floor = _rank_bounds(v, k, NB_PAD, RANK_G)
@@ -512,7 +539,8 @@ def indexer_select_kernel(
     EMIT_R: tl.constexpr = 0, EARLY_SCORES: tl.constexpr = False, TRIGGER: tl.constexpr = False,
     clk_ptr=None, CLOCKS: tl.constexpr = False, ONE_SCAN: tl.constexpr = True,
     PACKED_SCATTER: tl.constexpr = True, RANK_G: tl.constexpr = 0, RANK_CAP: tl.constexpr = 0,
-    RANK_CROSS: tl.constexpr = False,
+    RANK_CROSS: tl.constexpr = False, tmax_ptr=None, tmax_stride=0, n_tiles=0,
+    RANK_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)`` of ``select_row`` (its arguments, documented there)."""
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
@@ -521,7 +549,8 @@ def indexer_select_kernel(
         tl.program_id(0).to(tl.int64), score_ptr, seqlens_ptr, scratch_ptr, idx_ptr, cnt_ptr,
         seq_len, num_blocks, stride_sr, compress_ratio, kb, scratch_stride, max_selected, NB_PAD,
         KB_PAD, BLOCK_O, TOPK, RADIX_BITS, IDS_IN_REGS, IS_FIRST_PROMPT, EMIT_R, EARLY_SCORES,
-        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, RANK_G, RANK_CAP, RANK_CROSS,
+        clk_ptr, CLOCKS, ONE_SCAN, PACKED_SCATTER, RANK_G, RANK_CAP, RANK_CROSS, tmax_ptr,
+        tmax_stride, n_tiles, RANK_TILES,
     )  # fmt: skip
 
 
@@ -548,14 +577,19 @@ def indexer_select_kernel(
 # +0.3 us). RANK_CAP_MULT * KB_PAD candidates at most (2: 1 us faster than 4 at 4096 blocks)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
                        PACKED_SCATTER=True, RANK_SELECT=None, RANK_CAP_MULT=2,
-                       RANK_FLOOR="groups")  # fmt: skip
+                       RANK_FLOOR=None)  # fmt: skip
 # RANK_FLOOR "cross" (session 31, SASS only, not timed): ``_cross_bounds`` instead of the
-# [G, G] rank of the group maxima (``_rank_bounds``, ~2.2K cycles on the H100)
+# [G, G] rank of the group maxima (``_rank_bounds``, ~2.2K cycles on the H100). "tiles"
+# (session 32): the score kernel's tile maxima (``_tile_bounds``): the row is not reduced in
+# the select at all. None: "tiles" when the launch is given usable tile maxima (at least
+# 2 * KB_PAD tiles, at most RANK_MAX_TILES), else "groups"
 # RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
 # 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
 RANK_DEFAULT_BLOCKS = (4096,)
 _HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR")  # cfg keys, not constexprs
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
+RANK_MAX_TILES = 256  # tile maxima per row that _tile_bounds ranks ([NT, NT] comparisons)
+RANK_FLOORS = ("groups", "cross", "tiles")
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
 # + CTA barrier, and after the emission's last store (the radix marks stay 0 under TOPK)
@@ -596,29 +630,69 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     if out["RANK_CAP_MULT"] not in (1, 2, 4, 8) or isinstance(out["RANK_CAP_MULT"], bool):
         raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
                          f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
-    if out["RANK_FLOOR"] not in ("groups", "cross"):
-        raise ValueError(f"select cfg['RANK_FLOOR'] must be 'groups' or 'cross', got "
+    if out["RANK_FLOOR"] not in (None, *RANK_FLOORS):
+        raise ValueError(f"select cfg['RANK_FLOOR'] must be one of {RANK_FLOORS} or None, got "
                          f"{out['RANK_FLOOR']!r}")  # fmt: skip
     return out
 
 
-def rank_geometry(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> tuple[int, int, bool]:
-    """``(RANK_G, RANK_CAP, RANK_CROSS)`` of the select launch for ``cfg`` (``select_config``'s
-    output): ``(0, 0, False)`` (the radix steps) unless the rank method applies: a radix-width
-    row, ``KB_PAD <= RANK_MAX_KB_PAD``, and ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD
-    in RANK_DEFAULT_BLOCKS``. Then
-    ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates (at most the row) and the floor's groups:
-    ``RANK_FLOOR`` "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD
-    // (2 * KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``)."""
+def _rank_on(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> bool:
     on = cfg["RANK_SELECT"]
     if on is None:
         on = nb_pad in RANK_DEFAULT_BLOCKS
-    if not on or topk or kb_pad > RANK_MAX_KB_PAD:
-        return 0, 0, False
+    return bool(on) and not topk and kb_pad <= RANK_MAX_KB_PAD
+
+
+def tiles_usable(n_tiles: int, kb_pad: int) -> bool:
+    """Whether ``n_tiles`` tile maxima per row give the rank method a tight floor (at least
+    ``2 * KB_PAD``: the k-th of ``2 k`` maxima leaves ~1.3 k candidates) that ``_tile_bounds``
+    ranks cheaply (at most ``RANK_MAX_TILES``)."""
+    return 2 * kb_pad <= n_tiles <= RANK_MAX_TILES
+
+
+def rank_geometry(
+    cfg: dict, topk: bool, kb_pad: int, nb_pad: int, n_tiles: int = 0
+) -> tuple[int, int, bool, int]:
+    """``(RANK_G, RANK_CAP, RANK_CROSS, RANK_TILES)`` of the select launch for ``cfg``
+    (``select_config``'s output) and ``n_tiles`` tile maxima per row given to it (0: none):
+    ``(0, 0, False, 0)`` (the radix steps) unless the rank method applies: a radix-width row,
+    ``KB_PAD <= RANK_MAX_KB_PAD``, and ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD in
+    RANK_DEFAULT_BLOCKS``. Then ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates (at most the row)
+    and the floor (``RANK_FLOOR``; None: "tiles" when ``tiles_usable``, else "groups"):
+    "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD // (2 *
+    KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``); "tiles", the tile maxima
+    (``_tile_bounds``, ``RANK_TILES`` = their power-of-two width). An explicit "tiles" without
+    usable tile maxima is a ValueError."""
+    if not _rank_on(cfg, topk, kb_pad, nb_pad):
+        return 0, 0, False, 0
     cap = max(kb_pad, min(cfg["RANK_CAP_MULT"] * kb_pad, nb_pad))
-    if cfg["RANK_FLOOR"] == "cross":
-        return max(1, nb_pad // (2 * kb_pad)), cap, True
-    return min(2 * kb_pad, nb_pad), cap, False
+    floor = cfg["RANK_FLOOR"]
+    if floor is None:
+        floor = "tiles" if tiles_usable(n_tiles, kb_pad) else "groups"
+    if floor == "tiles":
+        if not tiles_usable(n_tiles, kb_pad):
+            raise ValueError(f"select cfg['RANK_FLOOR'] = 'tiles' needs 2 * KB_PAD = "
+                             f"{2 * kb_pad} to {RANK_MAX_TILES} tile maxima per row, got "
+                             f"{n_tiles}")  # fmt: skip
+        return 0, cap, False, next_pow2(n_tiles)
+    if floor == "cross":
+        return max(1, nb_pad // (2 * kb_pad)), cap, True, 0
+    return min(2 * kb_pad, nb_pad), cap, False, 0
+
+
+def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
+                   cfg: dict | None = None) -> bool:  # fmt: skip
+    """Whether the select launch for these rows may use the score kernel's tile maxima
+    (``indexer_scores(tile_max=True)``): the rank method applies and its floor is not forced
+    to another kind. The launch then uses them if ``tiles_usable``."""
+    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
+    tune = select_config(cfg, nb_pad, interpret=False)
+    kb = token_budget // compress_ratio
+    if kb == 0 or num_blocks == 0 or nb_pad > MAX_BLOCKS:
+        return False
+    kb_pad = min(max(2, next_pow2(kb)), nb_pad)
+    topk = nb_pad <= TOPK_MAX_BLOCKS
+    return _rank_on(tune, topk, kb_pad, nb_pad) and tune["RANK_FLOOR"] in (None, "tiles")
 
 
 EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
@@ -664,6 +738,7 @@ def select_launch_args(
     empty=torch.empty,
     cfg: dict | None = None,
     clocks: torch.Tensor | None = None,
+    tile_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(selected_indices, selected_counts, kwargs)``: ``indexer_select``'s outputs (not yet
     written) and the keywords of ``indexer_select_kernel`` (all but ``PDL``; ``num_warps``
@@ -678,6 +753,9 @@ def select_launch_args(
         cfg: tunables (``select_config``); None: the defaults.
         clocks: ``[B*S, CLOCK_MARKS]`` int64 on ``seqlens_k``'s device: the profiling build (``CLOCKS``)
             writes each row's phase marks there (``indexer_select_kernel`` only; benchmarks).
+        tile_max: ``[B*S, n_tiles]`` int32, the score kernel's tile maxima of ``scores``
+            (``indexer_scores(tile_max=True)``; last dim contiguous): the rank method's floor
+            when ``rank_geometry`` takes them. None: the select reduces the row itself.
     """
     r = compress_ratio
     kb = token_budget // r
@@ -699,7 +777,15 @@ def select_launch_args(
     topk = nb_pad <= TOPK_MAX_BLOCKS
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     tune = dict(tune)
-    rank_g, rank_cap, rank_cross = rank_geometry(tune, topk, kb_pad, nb_pad)
+    n_tiles = 0
+    if tile_max is not None and kb > 0:
+        if (tile_max.dim() != 2 or tile_max.shape[0] != rows or tile_max.dtype != torch.int32
+                or tile_max.device != dev or tile_max.stride(1) != 1):  # fmt: skip
+            raise ValueError(f"tile_max must be [{rows}, n_tiles] int32 on {dev} with a "
+                             f"contiguous last dim, got {list(tile_max.shape)} "
+                             f"{tile_max.dtype} on {tile_max.device}")  # fmt: skip
+        n_tiles = tile_max.shape[1]
+    rank_g, rank_cap, rank_cross, rank_tiles = rank_geometry(tune, topk, kb_pad, nb_pad, n_tiles)
     # radix: the chosen ids (int32 [kb]); rank: also the candidates (int64 [RANK_CAP])
     width = max(kb, 2 * rank_cap, 1)
     scratch = idx if topk else empty((rows, width + width % 2), dtype=torch.int32, device=dev)
@@ -732,6 +818,9 @@ def select_launch_args(
         RANK_CROSS=rank_cross,
         **tune,
     )
+    if rank_tiles:
+        args.update(tmax_ptr=tile_max, tmax_stride=tile_max.stride(0), n_tiles=n_tiles,
+                    RANK_TILES=rank_tiles)  # fmt: skip
     if clocks is not None:
         if (clocks.shape != (rows, CLOCK_MARKS) or clocks.dtype != torch.int64
                 or clocks.device != dev):  # fmt: skip
