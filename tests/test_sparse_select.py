@@ -36,35 +36,48 @@ _TILES = {"on": False}  # rank_tiles: run_select passes tile maxima (tile_maxima
 
 
 @pytest.fixture(
-    params=["topk", "radix2", "radix3", "radix4", "rank", "rank_cap1", "rank_cross", "rank_tiles"]
+    params=[
+        "topk",
+        "radix2",
+        "radix3",
+        "radix4",
+        "rank",
+        "rank_cap1",
+        "rank_cross",
+        "rank_tiles",
+        "rank_tiles_nofold",
+    ]  # fmt: skip
 )
 def method(request, monkeypatch):
     """The select methods on every row width (the host picks by NB_PAD): top-k, radix steps at
     each ``RADIX_BITS``, the rank method (``RANK_SELECT``, every budget) at its default
     capacity (``2 * KB_PAD`` candidates) and at ``KB_PAD`` (``rank_cap1``: rows of more
     candidates take the radix steps from its floor), with ``RANK_FLOOR`` "cross", and with the
-    floor from tile maxima (``rank_tiles``: ``run_select`` passes ``tile_maxima`` of the scores;
-    rows whose budget no tiling serves keep the "groups" floor)."""
+    floor from tile maxima (``rank_tiles``, folded into 2 * KB_PAD groups, and
+    ``rank_tiles_nofold``: ``run_select`` passes ``tile_maxima`` of the scores; rows whose
+    budget no tiling serves keep the "groups" floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
-    monkeypatch.setitem(_TILES, "on", request.param == "rank_tiles")
+    monkeypatch.setitem(_TILES, "on", request.param.startswith("rank_tiles"))
     over = dict(RANK_SELECT=False)
     if request.param.startswith("radix"):
         over.update(RADIX_BITS=int(request.param[5]))
     elif not topk:
         over.update(RADIX_BITS=2, RANK_SELECT=True)
         over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 2
-        floor = {"rank_cross": "cross", "rank_tiles": None}.get(request.param, "groups")
-        over["RANK_FLOOR"] = floor
+        floor = {"rank_cross": "cross", "rank_tiles": None, "rank_tiles_nofold": None}
+        over["RANK_FLOOR"] = floor.get(request.param, "groups")
+        over["RANK_TILE_FOLD"] = request.param != "rank_tiles_nofold"
         monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
 
 
 def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
-    """What the score kernel's ``TILE_MAX`` writes for ``scores [B*S, NB]``: per row and tile of
-    ``tile`` contiguous blocks, the largest select key (``select._order_keys``: fp32 bits of a
-    score >= +0.0, -0.0 -> 0, NaN -> 0x7F800001) of its visible blocks, -1 where none."""
+    """What the score kernel's ``TILE_MAX`` writes for ``scores [B*S, NB]``: per row and each of
+    the ``n_tiles = cdiv(NB, tile)`` strided tiles ``c = p (mod n_tiles)``, the largest select
+    key (``select._order_keys``: fp32 bits of a score >= +0.0, -0.0 -> 0, NaN -> 0x7F800001)
+    of its visible blocks, -1 where none."""
     nb = scores.shape[1]
     rows = indexer_rows(seqlens_k, s, first, r, nb)
     bits = scores.contiguous().view(torch.int32)
@@ -73,12 +86,12 @@ def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
     key = torch.where(vis, key, -1)
     n_tiles = -(-nb // tile)
     key = torch.nn.functional.pad(key, (0, n_tiles * tile - nb), value=-1)
-    return key.view(-1, n_tiles, tile).amax(-1).to(torch.int32)
+    return key.view(-1, tile, n_tiles).amax(1).to(torch.int32)
 
 
 def _tile_width(nb, budget, r):
     """A tiling with at least 2 * KB_PAD and at most RANK_MAX_TILES tiles, odd where it can be
-    (tiles that straddle the padded row; non-power-of-two tile counts)."""
+    (non-power-of-two tile counts: padded tile ids, groups folded from unequal tile counts)."""
     kb_pad = min(max(2, 1 << max(0, budget // r - 1).bit_length()), max(16, nb))
     tile = max(1, nb // (2 * kb_pad))
     tile = tile - 1 if tile > 2 and tile % 2 == 0 else tile
@@ -267,6 +280,7 @@ def test_select_tile_max_argument():
     over = dict(select.SELECT_DEFAULTS, RANK_SELECT=True)
     *_, args = select.select_launch_args(sc, sk, tile_max=good, cfg=over, **kw)
     assert args["RANK_TILES"] == 8 and args["n_tiles"] == 8 and args["tmax_ptr"] is good
+    assert args["RANK_G"] == 8  # folded into 2 * KB_PAD groups
     *_, args = select.select_launch_args(sc, sk, tile_max=good[:, :7], cfg=over, **kw)
     assert "RANK_TILES" not in args and args["RANK_G"] == 8  # 7 < 2 * KB_PAD: groups
     with pytest.raises(ValueError, match="got 7"):
@@ -474,6 +488,7 @@ def test_score_config_fills_one_wave():
         (dict(RANK_CAP_MULT=3), "RANK_CAP_MULT"),
         (dict(RANK_CAP_MULT=True), "RANK_CAP_MULT"),
         (dict(RANK_FLOOR="rows"), "RANK_FLOOR"),
+        (dict(RANK_TILE_FOLD=None), "RANK_TILE_FOLD"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -504,17 +519,19 @@ def test_select_rank_geometry():
     (capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for tl.topk rows or
     budgets above RANK_MAX_KB_PAD."""
     geo = select.rank_geometry
-    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None)
+    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None, RANK_TILE_FOLD=True)
     on = dict(auto, RANK_SELECT=True)
     assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
     assert select.SELECT_DEFAULTS["RANK_FLOOR"] is None
     assert geo(auto, False, 32, 4096) == (64, 64, False, 0)
-    assert geo(auto, False, 32, 4096, 128) == (0, 64, False, 128)  # the score launch's tiles
+    assert geo(auto, False, 32, 4096, 128) == (64, 64, False, 128)  # the score launch's tiles
     assert geo(auto, False, 32, 4096, 63) == (64, 64, False, 0)  # too few tiles: groups
-    assert geo(auto, False, 32, 4096, 257) == (64, 64, False, 0)  # too many to rank
-    assert geo(on, False, 32, 2048, 100) == (0, 64, False, 128)  # padded to a power of two
+    assert geo(auto, False, 32, 4096, 1025) == (64, 64, False, 0)  # too many to load
+    assert geo(on, False, 32, 2048, 100) == (64, 64, False, 128)  # padded to a power of two
+    assert geo(on, False, 8, 2048, 1000) == (16, 16, False, 1024)
+    assert geo(dict(on, RANK_TILE_FOLD=False), False, 8, 2048, 100) == (128, 16, False, 128)
     assert geo(dict(auto, RANK_FLOOR="groups"), False, 32, 4096, 128) == (64, 64, False, 0)
-    with pytest.raises(ValueError, match="64 to 256 tile maxima per row, got 0"):
+    with pytest.raises(ValueError, match="64 to 1024 tile maxima per row, got 0"):
         geo(dict(on, RANK_FLOOR="tiles"), False, 32, 4096)
     assert geo(auto, False, 32, 16384) == (0, 0, False, 0)  # untimed at 8192 / 16384 blocks
     assert geo(auto, False, 32, 2048) == (0, 0, False, 0)  # lost at 2048 (H100, session 31)

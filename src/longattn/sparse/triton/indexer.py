@@ -87,7 +87,7 @@ def indexer_score_kernel(
     TRIGGER: tl.constexpr = False,  # the next grid may launch once this one runs
     tmax_ptr=None,  # TILE_MAX: [B*S, cdiv(NB, BLOCK_B)] int32 out, row stride tmax_stride
     tmax_stride=0,
-    TILE_MAX: tl.constexpr = False,  # also each row's largest select key in this tile
+    TILE_MAX: tl.constexpr = False,  # strided tiles; each row's largest select key in its tile
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     release_dependents(TRIGGER)
@@ -96,7 +96,10 @@ def indexer_score_kernel(
     b = tl.program_id(2).to(tl.int64)
     # issued before the dots (not after them: one dependent round trip less at the end)
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
-    offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
+    if TILE_MAX:  # strided tiles c = pid_b (mod programs): the select's floor groups
+        offs_c = pid_b + tl.arange(0, BLOCK_B) * tl.num_programs(0)  # [BLOCK_B] block ids
+    else:
+        offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
     mask_c = offs_c < num_blocks
     k_rows = k_ptr + b * stride_kb + offs_c.to(tl.int64)[:, None] * stride_kn  # [BLOCK_B, 1]
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S] local query rows
@@ -291,11 +294,12 @@ def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_in
                              compress_ratio, scale, is_first_prompt, cfg=None,
                              tile_max=False):  # fmt: skip
     """``(scores, tile maxima)`` of one score launch: the fp32 block scores of
-    ``indexer_scores`` and, with ``tile_max``, ``[B*S, cdiv(NB, BLOCK_B)]`` int32: for each
-    row and tile of ``BLOCK_B`` contiguous blocks (one score program's) the largest of the
-    select's order keys (``select._order_keys``) of its visible blocks, -1 where it has none
-    (``select_launch_args(tile_max=...)``: the rank method's floor); None without
-    ``tile_max`` or for an empty output."""
+    ``indexer_scores`` and, with ``tile_max``, ``[B*S, n_tiles = cdiv(NB, BLOCK_B)]`` int32:
+    for each row and tile ``p`` (one score program's ``BLOCK_B`` blocks, strided: ``c = p (mod
+    n_tiles)``) the largest of the select's order keys (``select._order_keys``) of its visible
+    blocks, -1 where it has none (``select_launch_args(tile_max=...)``: the rank method's
+    floor); None without ``tile_max`` or for an empty output. The scores are the same either
+    way (a strided tile scores each block as a contiguous one does)."""
     return _score_launch(index_query, index_block_keys, seqlens_k,
                          num_index_heads=num_index_heads, compress_ratio=compress_ratio,
                          scale=scale, is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg,

@@ -258,15 +258,20 @@ def _kth_of_maxima(gmax, k, G: tl.constexpr):
 
 
 @triton.jit
-def _tile_bounds(tmax_row, n_tiles, k, NT: tl.constexpr):
+def _tile_bounds(tmax_row, n_tiles, k, NT: tl.constexpr, G: tl.constexpr):
     """``(vmax, floor)`` of the rank method from the score kernel's tile maxima (``RANK_FLOOR
-    "tiles"``): ``tmax_row[:n_tiles]`` holds the largest key of each tile of contiguous blocks
-    (``indexer_score_kernel``'s ``TILE_MAX``). The same floor as ``_rank_bounds`` over
-    ``n_tiles`` contiguous groups, without reducing the row here: the group maxima come with
-    the scores, in one load that does not wait for them."""
-    t = tl.arange(0, NT)  # [NT]
-    tmax = tl.load(tmax_row + t, mask=t < n_tiles, other=-1)  # [NT] int32 (-1: no key)
-    return _kth_of_maxima(tmax, k, NT)
+    "tiles"``): ``tmax_row[:n_tiles]`` holds the largest key of each strided tile of blocks
+    ``c = p (mod n_tiles)`` (``indexer_score_kernel``'s ``TILE_MAX``). Tiles ``p = g (mod G)``
+    fold into ``G`` groups (still disjoint, still spread over the row: a run of adjacent good
+    blocks lands in many groups), and the floor is ``_rank_bounds``'s over those groups,
+    without reducing the row here: the maxima come with the scores, in loads that do not wait
+    for them."""
+    if NT == G:  # no fold: triton loads the maxima in each layout the rank needs
+        t = tl.arange(0, G)  # [G]
+        return _kth_of_maxima(tl.load(tmax_row + t, mask=t < n_tiles, other=-1), k, G)
+    t = tl.arange(0, NT // G)[:, None] * G + tl.arange(0, G)[None, :]  # [NT // G, G] tile ids
+    tmax = tl.load(tmax_row + t, mask=t < n_tiles, other=-1)  # [NT // G, G] (-1: no key)
+    return _kth_of_maxima(tl.max(tmax, 0), k, G)
 
 
 @triton.jit
@@ -412,7 +417,7 @@ def select_row(
     tmax_ptr=None,  # RANK_TILES: [rows, n_tiles] int32 tile maxima of the score kernel
     tmax_stride=0,
     n_tiles=0,
-    RANK_TILES: tl.constexpr = 0,  # > 0 (rank method): _tile_bounds' floor over RANK_TILES
+    RANK_TILES: tl.constexpr = 0,  # > 0 (rank method): _tile_bounds' floor, RANK_G groups
 ):
     """Selection + emission of query row ``row`` (see the module docstring). ``CLOCKS``
     writes the SM clock (``%clock64``) at the phase marks of ``CLOCK_MARKS`` to ``clk_ptr[row]``
@@ -452,7 +457,8 @@ def select_row(
         ids = _chosen_topk(v, offs_c, k, NB_PAD, KB_PAD)  # [KB_PAD]
     elif RANK_CAP > 0:  # radix-width rows: rank the few candidates above a tight floor
         if RANK_TILES > 0:
-            vmax, floor = _tile_bounds(tmax_ptr + row * tmax_stride, n_tiles, k, RANK_TILES)
+            vmax, floor = _tile_bounds(tmax_ptr + row * tmax_stride, n_tiles, k, RANK_TILES,
+                                       RANK_G)  # fmt: skip
         elif RANK_CROSS:
             vmax, floor = _cross_bounds(v, k, NB_PAD, RANK_G)
         else:
@@ -577,18 +583,20 @@ def indexer_select_kernel(
 # +0.3 us). RANK_CAP_MULT * KB_PAD candidates at most (2: 1 us faster than 4 at 4096 blocks)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
                        PACKED_SCATTER=True, RANK_SELECT=None, RANK_CAP_MULT=2,
-                       RANK_FLOOR=None)  # fmt: skip
+                       RANK_FLOOR=None, RANK_TILE_FOLD=True)  # fmt: skip
 # RANK_FLOOR "cross" (session 31, SASS only, not timed): ``_cross_bounds`` instead of the
 # [G, G] rank of the group maxima (``_rank_bounds``, ~2.2K cycles on the H100). "tiles"
 # (session 32): the score kernel's tile maxima (``_tile_bounds``): the row is not reduced in
 # the select at all. None: "tiles" when the launch is given usable tile maxima (at least
-# 2 * KB_PAD tiles, at most RANK_MAX_TILES), else "groups"
+# 2 * KB_PAD tiles, at most RANK_MAX_TILES), else "groups". RANK_TILE_FOLD: the tile maxima
+# folded into 2 * KB_PAD groups (sm_90, 4096 blocks, 128 tiles: 2712 instructions, 38 CTA
+# barriers) or ranked as they are (a [128, 128] comparison: 3312 instructions, 33 barriers)
 # RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
 # 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
 RANK_DEFAULT_BLOCKS = (4096,)
-_HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR")  # cfg keys, not constexprs
+_HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR", "RANK_TILE_FOLD")
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
-RANK_MAX_TILES = 256  # tile maxima per row that _tile_bounds ranks ([NT, NT] comparisons)
+RANK_MAX_TILES = 1024  # tile maxima per row that _tile_bounds folds into 2 * KB_PAD groups
 RANK_FLOORS = ("groups", "cross", "tiles")
 # ``clocks`` of ``select_launch_args`` (a profiling build): the SM clock at the row's start,
 # after the score loads + radix bounds, after the radix steps, after the chosen ids' scatter
@@ -614,7 +622,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
                           "ONE_SCAN", "PACKED_SCATTER", "RANK_SELECT",
-                          "RANK_CAP_MULT", "RANK_FLOOR"}  # fmt: skip
+                          "RANK_CAP_MULT", "RANK_FLOOR", "RANK_TILE_FOLD"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -627,6 +635,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
     cfg_flag(out, "RANK_SELECT", None, allow_none=True, what="select cfg")
+    cfg_flag(out, "RANK_TILE_FOLD", True, what="select cfg")
     if out["RANK_CAP_MULT"] not in (1, 2, 4, 8) or isinstance(out["RANK_CAP_MULT"], bool):
         raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
                          f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
@@ -644,9 +653,9 @@ def _rank_on(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> bool:
 
 
 def tiles_usable(n_tiles: int, kb_pad: int) -> bool:
-    """Whether ``n_tiles`` tile maxima per row give the rank method a tight floor (at least
-    ``2 * KB_PAD``: the k-th of ``2 k`` maxima leaves ~1.3 k candidates) that ``_tile_bounds``
-    ranks cheaply (at most ``RANK_MAX_TILES``)."""
+    """Whether ``n_tiles`` tile maxima per row give the rank method its floor: at least
+    ``2 * KB_PAD`` (``_tile_bounds`` folds them into that many groups: the k-th of ``2 k``
+    maxima leaves ~1.3 k candidates), at most ``RANK_MAX_TILES`` (loads per thread)."""
     return 2 * kb_pad <= n_tiles <= RANK_MAX_TILES
 
 
@@ -661,8 +670,9 @@ def rank_geometry(
     and the floor (``RANK_FLOOR``; None: "tiles" when ``tiles_usable``, else "groups"):
     "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD // (2 *
     KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``); "tiles", the tile maxima
-    (``_tile_bounds``, ``RANK_TILES`` = their power-of-two width). An explicit "tiles" without
-    usable tile maxima is a ValueError."""
+    (``_tile_bounds``: ``RANK_TILES`` = their power-of-two width, folded into ``RANK_G = 2 *
+    KB_PAD`` groups, or with ``RANK_TILE_FOLD`` off ranked as they are, ``RANK_G =
+    RANK_TILES``). An explicit "tiles" without usable tile maxima is a ValueError."""
     if not _rank_on(cfg, topk, kb_pad, nb_pad):
         return 0, 0, False, 0
     cap = max(kb_pad, min(cfg["RANK_CAP_MULT"] * kb_pad, nb_pad))
@@ -674,7 +684,8 @@ def rank_geometry(
             raise ValueError(f"select cfg['RANK_FLOOR'] = 'tiles' needs 2 * KB_PAD = "
                              f"{2 * kb_pad} to {RANK_MAX_TILES} tile maxima per row, got "
                              f"{n_tiles}")  # fmt: skip
-        return 0, cap, False, next_pow2(n_tiles)
+        nt = next_pow2(n_tiles)
+        return (2 * kb_pad if cfg["RANK_TILE_FOLD"] else nt), cap, False, nt
     if floor == "cross":
         return max(1, nb_pad // (2 * kb_pad)), cap, True, 0
     return min(2 * kb_pad, nb_pad), cap, False, 0
