@@ -37,6 +37,11 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      comparison of distinct (key, place) pairs (``_desc_rank``), and the k of rank < k give
      their ids in registers (``_compact_ids``); rows of more candidates (ties) take the radix
      steps from that floor. H100, 4096 blocks: the select alone 5.6 -> 5.2 us (B=1 S=1).
+     The floor's group maxima may come with the scores instead (``RANK_FLOOR`` "tiles", the
+     default when the launch gets them, ``tile_max``): the score kernel's programs then take
+     strided tiles of blocks ``c = p (mod programs)`` and write each row's largest key per
+     tile (``TILE_MAX``); ``_tile_bounds`` folds them into ``2 * KB_PAD`` groups and ranks
+     those, so the row is never reduced here (one small load beside the score loads).
 4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r``, a register
    gather from ``ids [KB_PAD]`` (the radix method reads its scratch row back once), or, for
    radix tiles of ``WIDE_EMIT_BLOCKS`` or more, a scratch load; then the trailing block's
