@@ -333,8 +333,6 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32); tiles_nofold:
 #   the tile maxima ranked as they are (RANK_TILE_FOLD off: a [128, 128] comparison at 4096
 #   blocks) instead of folded into 2 * KB_PAD groups;
-# - dsa_sm1: the DSA split plan capped at one program per SM (SM_PROGRAMS=1): B=1 S=1 runs 33
-#   splits of 2 tiles per (row, KV head) instead of 66 of one, so the merge reads half the slots;
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -356,7 +354,6 @@ _VARIANTS = {
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
     "tiles_nofold": (None, dict(RANK_TILE_FOLD=False)),
-    "dsa_sm1": (dict(SM_PROGRAMS=1), None),
     "again": (None, None),
 }
 

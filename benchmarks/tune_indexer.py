@@ -53,7 +53,7 @@ def _scored_layers(b, s, t):
     method may take as its floor)."""
     seqlens, layers = _layers(b, s, t)
     scored = [ix.indexer_scores_and_tiles(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
-                                          scale=DI**-0.5, is_first_prompt=False, tile_max=True)
+                                          scale=DI**-0.5, is_first_prompt=False, tile_max=1)
               for q, k in layers]  # fmt: skip
     return seqlens, layers, layers[0][1].shape[1], scored
 

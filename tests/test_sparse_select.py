@@ -75,9 +75,10 @@ def method(request, monkeypatch):
 
 def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
     """What the score kernel's ``TILE_MAX`` writes for ``scores [B*S, NB]``: per row and each of
-    the ``n_tiles = cdiv(NB, tile)`` strided tiles ``c = p (mod n_tiles)``, the largest select
-    key (``select._order_keys``: fp32 bits of a score >= +0.0, -0.0 -> 0, NaN -> 0x7F800001)
-    of its visible blocks, -1 where none."""
+    the ``n_tiles = cdiv(NB, tile)`` tiles ``p`` (the runs of ``TILE_RUN`` blocks ``c //
+    TILE_RUN = p (mod n_tiles)``; runs of 1 for a tile width that is no multiple of it), the
+    largest select key (``select._order_keys``: fp32 bits of a score >= +0.0, -0.0 -> 0, NaN ->
+    0x7F800001) of its visible blocks, -1 where none."""
     nb = scores.shape[1]
     rows = indexer_rows(seqlens_k, s, first, r, nb)
     bits = scores.contiguous().view(torch.int32)
@@ -86,7 +87,8 @@ def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
     key = torch.where(vis, key, -1)
     n_tiles = -(-nb // tile)
     key = torch.nn.functional.pad(key, (0, n_tiles * tile - nb), value=-1)
-    return key.view(-1, tile, n_tiles).amax(1).to(torch.int32)
+    w = indexer.TILE_RUN if tile % indexer.TILE_RUN == 0 else 1  # runs of w blocks
+    return key.view(-1, tile // w, n_tiles, w).amax((1, 3)).to(torch.int32)
 
 
 def _tile_width(nb, budget, r):
@@ -251,7 +253,7 @@ def test_select_never_reads_invisible_scores(method, early, monkeypatch):
 @interpret
 @pytest.mark.parametrize("first", [False, True])
 def test_score_kernel_tile_maxima(first):
-    """``indexer_scores(tile_max=True)``: per row and score program's tile of blocks, the
+    """``indexer_scores_and_tiles(tile_max=n)``: per row and score program's tile of blocks, the
     largest select key of its visible blocks (-1: none), as ``tile_maxima`` computes from the
     same launch's scores; ragged rows, a row without a complete block, first-prompt padding
     rows, a partial last tile; the scores equal those of the launch without tile maxima."""
@@ -259,7 +261,8 @@ def test_score_kernel_tile_maxima(first):
     kw = dict(num_index_heads=2, compress_ratio=4, scale=0.5, is_first_prompt=first)
     if first:
         sk = torch.tensor([3, 1, 2], dtype=torch.int32, device=DEV)
-    scores, tmax = indexer.indexer_scores_and_tiles(iq, keys, sk, tile_max=True, **kw)
+    scores, tmax = indexer.indexer_scores_and_tiles(iq, keys, sk, tile_max=3, **kw)
+    assert indexer.indexer_scores_and_tiles(iq, keys, sk, tile_max=4, **kw)[1] is None
     block_b = indexer.score_config(3, 4, 2, 37, 132, DEV == "cpu")["BLOCK_B"]
     assert tmax.shape == (12, -(-37 // block_b)) and tmax.dtype == torch.int32
     want = tile_maxima(scores, sk, s=4, r=4, first=first, tile=block_b)
@@ -271,7 +274,9 @@ def test_score_kernel_tile_maxima(first):
 @interpret
 def test_select_tile_max_argument():
     """``tile_max`` must be ``[rows, n_tiles]`` int32 with a contiguous last dim; the rank
-    method takes it (``RANK_TILES``) when ``tiles_usable``, else keeps its groups floor; an
+    method takes it (``RANK_TILES``) when ``tiles_usable``, else keeps its groups floor (and
+    by default runs at 2048 blocks only with tiles); the score launch is asked for tiles where
+    the select may take them (``wants_tile_max``: the least usable count, else 0); an
     explicit ``RANK_FLOOR`` "tiles" without usable tiles is an error naming the count."""
     kw = dict(seq_len=1, num_blocks=1100, compress_ratio=16, token_budget=64,
               is_first_prompt=False)  # fmt: skip
@@ -286,16 +291,22 @@ def test_select_tile_max_argument():
     with pytest.raises(ValueError, match="got 7"):
         select.select_launch_args(sc, sk, tile_max=good[:, :7],
                                   cfg=dict(over, RANK_FLOOR="tiles"), **kw)  # fmt: skip
-    *_, args = select.select_launch_args(sc, sk, tile_max=good, **kw)  # rank off at 2048
+    *_, args = select.select_launch_args(sc, sk, tile_max=good, **kw)  # 2048: with tiles
+    assert args["RANK_TILES"] == 8 and args["RANK_CAP"] == 8
+    *_, args = select.select_launch_args(sc, sk, tile_max=good[:, :7], **kw)  # without: off
     assert "RANK_TILES" not in args and args["RANK_CAP"] == 0
     for bad in (good.long(), good[:1], good.t().contiguous().t(), good[0]):
         with pytest.raises(ValueError, match=r"tile_max must be \[2, n_tiles\] int32"):
             select.select_launch_args(sc, sk, tile_max=bad, cfg=over, **kw)
-    assert select.wants_tile_max(4096, 2048, 64) and not select.wants_tile_max(2048, 2048, 64)
-    assert select.wants_tile_max(2048, 2048, 64, cfg=dict(RANK_SELECT=True))
-    assert not select.wants_tile_max(4096, 2048, 64, cfg=dict(RANK_FLOOR="groups"))
-    assert not select.wants_tile_max(4096, 8192, 64)  # KB_PAD 128: radix steps
-    assert not select.wants_tile_max(4096, 32, 64)  # no block to choose
+    want = select.wants_tile_max
+    assert want(4096, 2048, 64) == 64 and want(2048, 2048, 64) == 64  # RANK_TILE_BLOCKS
+    assert want(1025, 1024, 64) == 32 and want(8192, 2048, 64) == 0  # 8192: untimed
+    assert want(8192, 2048, 64, cfg=dict(RANK_SELECT=True)) == 64
+    assert want(4096, 2048, 64, cfg=dict(RANK_FLOOR="groups")) == 0
+    assert want(4096, 2048, 64, cfg=dict(RANK_SELECT=False)) == 0
+    assert want(4096, 8192, 64) == 0  # KB_PAD 128: radix steps
+    assert want(4096, 32, 64) == 0 and want(0, 2048, 64) == 0  # no block to choose
+    assert want(1000, 2048, 64) == 0  # tl.topk rows
 
 
 @interpret
@@ -535,6 +546,8 @@ def test_select_rank_geometry():
         geo(dict(on, RANK_FLOOR="tiles"), False, 32, 4096)
     assert geo(auto, False, 32, 16384) == (0, 0, False, 0)  # untimed at 8192 / 16384 blocks
     assert geo(auto, False, 32, 2048) == (0, 0, False, 0)  # lost at 2048 (H100, session 31)
+    assert geo(auto, False, 32, 2048, 64) == (64, 64, False, 64)  # ... but not with tiles
+    assert select.RANK_TILE_BLOCKS == (2048, 4096)
     assert geo(on, False, 32, 2048) == (64, 64, False, 0)
     assert geo(dict(on, RANK_CAP_MULT=4), False, 32, 2048) == (64, 128, False, 0)
     assert geo(on, False, 16, 16) == (16, 16, False, 0)

@@ -96,8 +96,10 @@ def indexer_score_kernel(
     b = tl.program_id(2).to(tl.int64)
     # issued before the dots (not after them: one dependent round trip less at the end)
     total_len = tl.load(seqlens_ptr + b).to(tl.int64) + 1
-    if TILE_MAX:  # strided tiles c = pid_b (mod programs): the select's floor groups
-        offs_c = pid_b + tl.arange(0, BLOCK_B) * tl.num_programs(0)  # [BLOCK_B] block ids
+    if TILE_MAX:  # runs of TILE_RUN blocks strided by the programs: the select's floor groups
+        i = tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        run = pid_b + (i // _TILE_RUN) * tl.num_programs(0)  # [BLOCK_B] run ids
+        offs_c = run * _TILE_RUN + i % _TILE_RUN  # [BLOCK_B] block ids
     else:
         offs_c = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B] block ids
     mask_c = offs_c < num_blocks
@@ -165,6 +167,12 @@ def indexer_score_kernel(
 
 
 BLOCK_S = 16  # query rows (new tokens) per score program (>= 16: the head-sum dot's M)
+# TILE_MAX tiles: runs of this many contiguous blocks, strided (run q in tile q mod programs).
+# Runs of 8 fp32 scores are whole 32-byte sectors; fully strided tiles (runs of 1) cost the
+# score launch +0.3 us at B=1 S=1 and +1.8 / +3.1 us at B=1 / 4 S=8 T=256K in 4-byte stores
+# (H100, session 32)
+TILE_RUN = 8
+_TILE_RUN = tl.constexpr(TILE_RUN)
 # ``DOT_PREC`` of the score dots: fp32 FMA; fp32 operands split into three bf16 parts each
 # with the six largest partial products on tensor cores (triton's bf16x6: the dropped terms are
 # ~2**-24 of each product); or a bf16 query against the fp32 operand's exact three-part split
@@ -219,7 +227,7 @@ def score_config(b: int, s: int, ni: int, num_blocks: int, num_sms: int, interpr
 
 
 def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, compress_ratio,
-                  scale, is_first_prompt, out_keys, cfg=None, tile_max=False):  # fmt: skip
+                  scale, is_first_prompt, out_keys, cfg=None, tile_max=0):  # fmt: skip
     """``(out, tile maxima or None)``: see ``indexer_scores``."""
     b, s, dq = index_query.shape
     nb, di = index_block_keys.shape[1:]
@@ -244,7 +252,10 @@ def _score_launch(index_query, index_block_keys, seqlens_k, *, num_index_heads, 
         cfg["DOT_PREC"] = "bf16x6"  # split3 takes the query as exact bf16 values
     grid = (cdiv(nb, cfg["BLOCK_B"]), cdiv(s, s_tile), b)
     tmax = None
-    if tile_max:
+    if tile_max and grid[0] >= tile_max:  # enough tiles for the select's floor
+        if cfg["BLOCK_B"] % TILE_RUN:
+            raise ValueError(f"tile maxima need BLOCK_B a multiple of {TILE_RUN}, got "
+                             f"{cfg['BLOCK_B']}")  # fmt: skip
         tmax = _empty((b * s, grid[0]), dtype=torch.int32, device=index_query.device)
         cfg.update(tmax_ptr=tmax, tmax_stride=tmax.stride(0), TILE_MAX=True)
     indexer_score_kernel[grid](
@@ -292,14 +303,15 @@ def indexer_scores(index_query, index_block_keys, seqlens_k, *, num_index_heads,
 
 def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_index_heads,
                              compress_ratio, scale, is_first_prompt, cfg=None,
-                             tile_max=False):  # fmt: skip
+                             tile_max=0):  # fmt: skip
     """``(scores, tile maxima)`` of one score launch: the fp32 block scores of
-    ``indexer_scores`` and, with ``tile_max``, ``[B*S, n_tiles = cdiv(NB, BLOCK_B)]`` int32:
-    for each row and tile ``p`` (one score program's ``BLOCK_B`` blocks, strided: ``c = p (mod
-    n_tiles)``) the largest of the select's order keys (``select._order_keys``) of its visible
-    blocks, -1 where it has none (``select_launch_args(tile_max=...)``: the rank method's
-    floor); None without ``tile_max`` or for an empty output. The scores are the same either
-    way (a strided tile scores each block as a contiguous one does)."""
+    ``indexer_scores`` and, when the launch has at least ``tile_max > 0`` programs per row
+    (``select.wants_tile_max``), ``[B*S, n_tiles = cdiv(NB, BLOCK_B)]`` int32:
+    for each row and tile ``p`` (one score program's ``BLOCK_B`` blocks: the runs of
+    ``TILE_RUN`` contiguous blocks ``c // TILE_RUN = p (mod n_tiles)``) the largest of the
+    select's order keys (``select._order_keys``) of its visible blocks, -1 where it has none
+    (``select_launch_args(tile_max=...)``: the rank method's floor); else None. The scores are the same either way (a strided tile
+    scores each block as a contiguous one does)."""
     return _score_launch(index_query, index_block_keys, seqlens_k,
                          num_index_heads=num_index_heads, compress_ratio=compress_ratio,
                          scale=scale, is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg,

@@ -39,8 +39,8 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      steps from that floor. H100, 4096 blocks: the select alone 5.6 -> 5.2 us (B=1 S=1).
      The floor's group maxima may come with the scores instead (``RANK_FLOOR`` "tiles", the
      default when the launch gets them, ``tile_max``): the score kernel's programs then take
-     strided tiles of blocks ``c = p (mod programs)`` and write each row's largest key per
-     tile (``TILE_MAX``); ``_tile_bounds`` folds them into ``2 * KB_PAD`` groups and ranks
+     tiles of 8-block runs strided over the row and write each row's largest key per tile
+     (``TILE_MAX``); ``_tile_bounds`` folds them into ``2 * KB_PAD`` groups and ranks
      those, so the row is never reduced here (one small load beside the score loads).
 4. Emission in ``BLOCK_O`` tiles: output ``j < k*r`` is ``ids[j // r] * r + j % r``, a register
    gather from ``ids [KB_PAD]`` (the radix method reads its scratch row back once), or, for
@@ -265,10 +265,11 @@ def _kth_of_maxima(gmax, k, G: tl.constexpr):
 @triton.jit
 def _tile_bounds(tmax_row, n_tiles, k, NT: tl.constexpr, G: tl.constexpr):
     """``(vmax, floor)`` of the rank method from the score kernel's tile maxima (``RANK_FLOOR
-    "tiles"``): ``tmax_row[:n_tiles]`` holds the largest key of each strided tile of blocks
-    ``c = p (mod n_tiles)`` (``indexer_score_kernel``'s ``TILE_MAX``). Tiles ``p = g (mod G)``
-    fold into ``G`` groups (still disjoint, still spread over the row: a run of adjacent good
-    blocks lands in many groups), and the floor is ``_rank_bounds``'s over those groups,
+    "tiles"``): ``tmax_row[:n_tiles]`` holds the largest key of each tile of blocks, runs of
+    ``TILE_RUN`` (8) contiguous blocks strided over the row (``indexer_score_kernel``'s
+    ``TILE_MAX``). Tiles ``p = g (mod G)`` fold into ``G`` groups (still disjoint, still
+    spread over the row: a stretch of adjacent good blocks lands in many groups), and the
+    floor is ``_rank_bounds``'s over those groups,
     without reducing the row here: the maxima come with the scores, in loads that do not wait
     for them."""
     if NT == G:  # no fold: triton loads the maxima in each layout the rank needs
@@ -599,6 +600,9 @@ SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=T
 # RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
 # 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
 RANK_DEFAULT_BLOCKS = (4096,)
+# ... and with the tiles floor (session 32, H100, select alone B=1 S=1 at 2048 blocks: 4.11-4.31
+# (radix steps) -> 3.45 us; layer op 16.68-16.87 -> 16.44 us, B=4 27.46-27.94 -> 27.18)
+RANK_TILE_BLOCKS = (2048, 4096)
 _HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR", "RANK_TILE_FOLD")
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
 RANK_MAX_TILES = 1024  # tile maxima per row that _tile_bounds folds into 2 * KB_PAD groups
@@ -650,10 +654,11 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     return out
 
 
-def _rank_on(cfg: dict, topk: bool, kb_pad: int, nb_pad: int) -> bool:
+def _rank_on(cfg: dict, topk: bool, kb_pad: int, nb_pad: int, tiles: bool) -> bool:
+    """Whether the rank method runs (``tiles``: with the tile maxima floor)."""
     on = cfg["RANK_SELECT"]
     if on is None:
-        on = nb_pad in RANK_DEFAULT_BLOCKS
+        on = nb_pad in RANK_DEFAULT_BLOCKS or (tiles and nb_pad in RANK_TILE_BLOCKS)
     return bool(on) and not topk and kb_pad <= RANK_MAX_KB_PAD
 
 
@@ -672,18 +677,19 @@ def rank_geometry(
     ``(0, 0, False, 0)`` (the radix steps) unless the rank method applies: a radix-width row,
     ``KB_PAD <= RANK_MAX_KB_PAD``, and ``cfg["RANK_SELECT"]`` True, or None with ``NB_PAD in
     RANK_DEFAULT_BLOCKS``. Then ``cfg["RANK_CAP_MULT"] * KB_PAD`` candidates (at most the row)
-    and the floor (``RANK_FLOOR``; None: "tiles" when ``tiles_usable``, else "groups"):
+    and the floor (``RANK_FLOOR``; None: "tiles" when ``tiles_usable``, else "groups"; the
+    default also runs the rank method at ``RANK_TILE_BLOCKS`` with the tiles floor):
     "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD // (2 *
     KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``); "tiles", the tile maxima
     (``_tile_bounds``: ``RANK_TILES`` = their power-of-two width, folded into ``RANK_G = 2 *
     KB_PAD`` groups, or with ``RANK_TILE_FOLD`` off ranked as they are, ``RANK_G =
     RANK_TILES``). An explicit "tiles" without usable tile maxima is a ValueError."""
-    if not _rank_on(cfg, topk, kb_pad, nb_pad):
-        return 0, 0, False, 0
-    cap = max(kb_pad, min(cfg["RANK_CAP_MULT"] * kb_pad, nb_pad))
     floor = cfg["RANK_FLOOR"]
     if floor is None:
         floor = "tiles" if tiles_usable(n_tiles, kb_pad) else "groups"
+    if not _rank_on(cfg, topk, kb_pad, nb_pad, floor == "tiles"):
+        return 0, 0, False, 0
+    cap = max(kb_pad, min(cfg["RANK_CAP_MULT"] * kb_pad, nb_pad))
     if floor == "tiles":
         if not tiles_usable(n_tiles, kb_pad):
             raise ValueError(f"select cfg['RANK_FLOOR'] = 'tiles' needs 2 * KB_PAD = "
@@ -697,18 +703,23 @@ def rank_geometry(
 
 
 def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
-                   cfg: dict | None = None) -> bool:  # fmt: skip
-    """Whether the select launch for these rows may use the score kernel's tile maxima
-    (``indexer_scores(tile_max=True)``): the rank method applies and its floor is not forced
-    to another kind. The launch then uses them if ``tiles_usable``."""
+                   cfg: dict | None = None) -> int:  # fmt: skip
+    """The ``tile_max`` argument of the score launch (``indexer_scores_and_tiles``) whose
+    select may take the tile maxima as its floor: the least tile count it would use (``2 *
+    KB_PAD``), or 0 when the rank method with that floor cannot apply (by ``cfg``, the row
+    width, the budget)."""
     nb_pad = max(16, next_pow2(max(num_blocks, 1)))
     tune = select_config(cfg, nb_pad, interpret=False)
     kb = token_budget // compress_ratio
-    if kb == 0 or num_blocks == 0 or nb_pad > MAX_BLOCKS:
-        return False
+    if (
+        kb == 0
+        or num_blocks == 0
+        or nb_pad > MAX_BLOCKS
+        or tune["RANK_FLOOR"] not in (None, "tiles")
+    ):
+        return 0
     kb_pad = min(max(2, next_pow2(kb)), nb_pad)
-    topk = nb_pad <= TOPK_MAX_BLOCKS
-    return _rank_on(tune, topk, kb_pad, nb_pad) and tune["RANK_FLOOR"] in (None, "tiles")
+    return 2 * kb_pad if _rank_on(tune, nb_pad <= TOPK_MAX_BLOCKS, kb_pad, nb_pad, True) else 0
 
 
 EMIT_2D_MAX = 16384  # KB_PAD * r bound of the 2-D emission tile (64 values per thread at 8 warps)
