@@ -189,7 +189,7 @@ def _presets(cache: str):
                      ROT_DIM=128, IS_PARTIAL=False, HAS_POS=False, INTERLEAVED=False,
                      EXACT=True, TILE_TABLES=False, PDL=False), 2, 1),
         "indexer-score": (indexer_score_kernel,
-                          {"q_ptr": "*bf16", "k_ptr": "*fp32", "seqlens_ptr": "*i32",
+                          {"q_ptr": "*bf16", "k_ptr": "*fp32", "seqlens_ptr": "*i32", "tmax_ptr": "*i32",
                            "scale": "fp32"},
                           dict(NI=16, DI=128, DI_PAD=128, BLOCK_B=32, BLOCK_S=16, S_TILE=1,
                                BLOCK_R=16, BLOCK_D=128, IS_FIRST_PROMPT=False, OUT_KEYS=False,
