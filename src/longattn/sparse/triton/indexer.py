@@ -310,8 +310,8 @@ def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_in
     for each row and tile ``p`` (one score program's ``BLOCK_B`` blocks: the runs of
     ``TILE_RUN`` contiguous blocks ``c // TILE_RUN = p (mod n_tiles)``) the largest of the
     select's order keys (``select._order_keys``) of its visible blocks, -1 where it has none
-    (``select_launch_args(tile_max=...)``: the rank method's floor); else None. The scores are the same either way (a strided tile
-    scores each block as a contiguous one does)."""
+    (``select_launch_args(tile_max=...)``: the rank method's floor); else None. The scores
+    are the same either way (a strided tile scores each block as a contiguous one does)."""
     return _score_launch(index_query, index_block_keys, seqlens_k,
                          num_index_heads=num_index_heads, compress_ratio=compress_ratio,
                          scale=scale, is_first_prompt=is_first_prompt, out_keys=False, cfg=cfg,

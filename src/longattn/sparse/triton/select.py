@@ -269,9 +269,8 @@ def _tile_bounds(tmax_row, n_tiles, k, NT: tl.constexpr, G: tl.constexpr):
     ``TILE_RUN`` (8) contiguous blocks strided over the row (``indexer_score_kernel``'s
     ``TILE_MAX``). Tiles ``p = g (mod G)`` fold into ``G`` groups (still disjoint, still
     spread over the row: a stretch of adjacent good blocks lands in many groups), and the
-    floor is ``_rank_bounds``'s over those groups,
-    without reducing the row here: the maxima come with the scores, in loads that do not wait
-    for them."""
+    floor is ``_rank_bounds``'s over those groups, without reducing the row here: the maxima
+    come with the scores, in loads that do not wait for them."""
     if NT == G:  # no fold: triton loads the maxima in each layout the rank needs
         t = tl.arange(0, G)  # [G]
         return _kth_of_maxima(tl.load(tmax_row + t, mask=t < n_tiles, other=-1), k, G)
