@@ -94,7 +94,7 @@ def tile_maxima(scores, seqlens_k, *, s, r, first, tile):
 def _tile_width(nb, budget, r):
     """A tiling with at least 2 * KB_PAD and at most RANK_MAX_TILES tiles, odd where it can be
     (non-power-of-two tile counts: padded tile ids, groups folded from unequal tile counts)."""
-    kb_pad = min(max(2, 1 << max(0, budget // r - 1).bit_length()), max(16, nb))
+    kb_pad = select.select_pads(nb, budget // r)[1]
     tile = max(1, nb // (2 * kb_pad))
     tile = tile - 1 if tile > 2 and tile % 2 == 0 else tile
     return max(tile, -(-nb // select.RANK_MAX_TILES))

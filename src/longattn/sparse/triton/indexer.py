@@ -37,7 +37,7 @@ from ..._triton_utils import (
 )
 from ..._triton_utils import interpret as _interpret
 from .._shared import emit_selection, indexer_rows
-from .select import MAX_BLOCKS, _order_keys, indexer_select, wants_tile_max
+from .select import MAX_BLOCKS, _order_keys, indexer_select, select_pads, wants_tile_max
 
 _empty = torch.empty  # buffers of this tier (tests poison them)
 
@@ -320,7 +320,7 @@ def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_in
 
 def select_supported(num_blocks: int) -> bool:
     """Whether ``select.indexer_select_kernel`` holds a row of ``num_blocks`` blocks."""
-    return max(16, next_pow2(max(num_blocks, 1))) <= MAX_BLOCKS
+    return select_pads(num_blocks, 0)[0] <= MAX_BLOCKS
 
 
 def indexer_triton(

@@ -701,15 +701,23 @@ def rank_geometry(
     return min(2 * kb_pad, nb_pad), cap, False, 0
 
 
+def select_pads(num_blocks: int, kb: int) -> tuple[int, int]:
+    """``(NB_PAD, KB_PAD)`` of a select launch over rows of ``num_blocks`` blocks choosing up
+    to ``kb`` of them: the row tile (a power of two >= 16) and the chosen-id tile (a power of
+    two >= 2, at most the row)."""
+    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
+    return nb_pad, min(max(2, next_pow2(kb)), nb_pad)
+
+
 def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
                    cfg: dict | None = None) -> int:  # fmt: skip
     """The ``tile_max`` argument of the score launch (``indexer_scores_and_tiles``) whose
     select may take the tile maxima as its floor: the least tile count it would use (``2 *
     KB_PAD``), or 0 when the rank method with that floor cannot apply (by ``cfg``, the row
     width, the budget)."""
-    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
-    tune = select_config(cfg, nb_pad, interpret=False)
     kb = token_budget // compress_ratio
+    nb_pad, kb_pad = select_pads(num_blocks, kb)
+    tune = select_config(cfg, nb_pad, interpret=False)
     if (
         kb == 0
         or num_blocks == 0
@@ -717,7 +725,6 @@ def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
         or tune["RANK_FLOOR"] not in (None, "tiles")
     ):
         return 0
-    kb_pad = min(max(2, next_pow2(kb)), nb_pad)
     return 2 * kb_pad if _rank_on(tune, nb_pad <= TOPK_MAX_BLOCKS, kb_pad, nb_pad, True) else 0
 
 
@@ -780,13 +787,13 @@ def select_launch_args(
         clocks: ``[B*S, CLOCK_MARKS]`` int64 on ``seqlens_k``'s device: the profiling build (``CLOCKS``)
             writes each row's phase marks there (``indexer_select_kernel`` only; benchmarks).
         tile_max: ``[B*S, n_tiles]`` int32, the score kernel's tile maxima of ``scores``
-            (``indexer_scores(tile_max=True)``; last dim contiguous): the rank method's floor
+            (``indexer.indexer_scores_and_tiles``; last dim contiguous): the rank method's floor
             when ``rank_geometry`` takes them. None: the select reduces the row itself.
     """
     r = compress_ratio
     kb = token_budget // r
     rows = seqlens_k.shape[0] * seq_len
-    nb_pad = max(16, next_pow2(max(num_blocks, 1)))
+    nb_pad = select_pads(num_blocks, kb)[0]
     tune = select_config(cfg, nb_pad, interpret)
     max_selected = token_budget + r - 1
     dev = seqlens_k.device
@@ -801,7 +808,7 @@ def select_launch_args(
     else:
         stride = scores.stride(0)
     topk = nb_pad <= TOPK_MAX_BLOCKS
-    kb_pad = min(max(2, next_pow2(kb)), nb_pad)
+    kb_pad = select_pads(num_blocks, kb)[1]  # (kb is 0 now when no score is read)
     tune = dict(tune)
     n_tiles = 0
     if tile_max is not None and kb > 0:
