@@ -269,6 +269,9 @@ def test_score_kernel_tile_maxima(first):
     assert torch.equal(tmax, want)
     assert (tmax == -1).any() and (tmax >= 0).any()
     assert torch.equal(scores, indexer.indexer_scores(iq, keys, sk, **kw))
+    bad = dict(BLOCK_B=4, BLOCK_R=16, BLOCK_D=16, num_warps=4)  # tiles of half a run
+    with pytest.raises(ValueError, match="BLOCK_B a multiple of 8, got 4"):
+        indexer.indexer_scores_and_tiles(iq, keys, sk, tile_max=1, cfg=bad, **kw)
 
 
 @interpret
