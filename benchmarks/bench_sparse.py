@@ -330,9 +330,7 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   the score launch's tile maxima where its tiling serves them); rank_cross: on, with the
 #   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed); rank_groups: the
 #   session-31 floor (the k-th of 2 * KB_PAD strided group maxima, reduced in the select)
-#   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32); tiles_nofold:
-#   the tile maxima ranked as they are (RANK_TILE_FOLD off: a [128, 128] comparison at 4096
-#   blocks) instead of folded into 2 * KB_PAD groups;
+#   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -353,7 +351,6 @@ _VARIANTS = {
     "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
-    "tiles_nofold": (None, dict(RANK_TILE_FOLD=False)),
     "again": (None, None),
 }
 

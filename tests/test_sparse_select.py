@@ -45,7 +45,6 @@ _TILES = {"on": False}  # rank_tiles: run_select passes tile maxima (tile_maxima
         "rank_cap1",
         "rank_cross",
         "rank_tiles",
-        "rank_tiles_nofold",
     ]  # fmt: skip
 )
 def method(request, monkeypatch):
@@ -53,21 +52,20 @@ def method(request, monkeypatch):
     each ``RADIX_BITS``, the rank method (``RANK_SELECT``, every budget) at its default
     capacity (``2 * KB_PAD`` candidates) and at ``KB_PAD`` (``rank_cap1``: rows of more
     candidates take the radix steps from its floor), with ``RANK_FLOOR`` "cross", and with the
-    floor from tile maxima (``rank_tiles``, folded into 2 * KB_PAD groups, and
-    ``rank_tiles_nofold``: ``run_select`` passes ``tile_maxima`` of the scores; rows whose
-    budget no tiling serves keep the "groups" floor)."""
+    floor from tile maxima (``rank_tiles``, folded into 2 * KB_PAD groups: ``run_select``
+    passes ``tile_maxima`` of the scores; rows whose budget no tiling serves keep the "groups"
+    floor)."""
     topk = request.param == "topk"
     monkeypatch.setattr(select, "TOPK_MAX_BLOCKS", 1 << 30 if topk else 0)
-    monkeypatch.setitem(_TILES, "on", request.param.startswith("rank_tiles"))
+    monkeypatch.setitem(_TILES, "on", request.param == "rank_tiles")
     over = dict(RANK_SELECT=False)
     if request.param.startswith("radix"):
         over.update(RADIX_BITS=int(request.param[5]))
     elif not topk:
         over.update(RADIX_BITS=2, RANK_SELECT=True)
         over["RANK_CAP_MULT"] = 1 if request.param == "rank_cap1" else 2
-        floor = {"rank_cross": "cross", "rank_tiles": None, "rank_tiles_nofold": None}
+        floor = {"rank_cross": "cross", "rank_tiles": None}
         over["RANK_FLOOR"] = floor.get(request.param, "groups")
-        over["RANK_TILE_FOLD"] = request.param != "rank_tiles_nofold"
         monkeypatch.setattr(select, "RANK_MAX_KB_PAD", 1 << 30)
     monkeypatch.setattr(select, "SELECT_DEFAULTS", dict(select.SELECT_DEFAULTS, **over))
     return request.param
@@ -502,7 +500,7 @@ def test_score_config_fills_one_wave():
         (dict(RANK_CAP_MULT=3), "RANK_CAP_MULT"),
         (dict(RANK_CAP_MULT=True), "RANK_CAP_MULT"),
         (dict(RANK_FLOOR="rows"), "RANK_FLOOR"),
-        (dict(RANK_TILE_FOLD=None), "RANK_TILE_FOLD"),
+        (dict(RANK_TILE_FOLD=True), "unknown keys"),
     ],
 )
 def test_select_config_errors(cfg, match):
@@ -533,7 +531,7 @@ def test_select_rank_geometry():
     (capped by the row); by default (None) at RANK_DEFAULT_BLOCKS; never for tl.topk rows or
     budgets above RANK_MAX_KB_PAD."""
     geo = select.rank_geometry
-    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None, RANK_TILE_FOLD=True)
+    auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None)
     on = dict(auto, RANK_SELECT=True)
     assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
     assert select.SELECT_DEFAULTS["RANK_FLOOR"] is None
@@ -543,7 +541,6 @@ def test_select_rank_geometry():
     assert geo(auto, False, 32, 4096, 1025) == (64, 64, False, 0)  # too many to load
     assert geo(on, False, 32, 2048, 100) == (64, 64, False, 128)  # padded to a power of two
     assert geo(on, False, 8, 2048, 1000) == (16, 16, False, 1024)
-    assert geo(dict(on, RANK_TILE_FOLD=False), False, 8, 2048, 100) == (128, 16, False, 128)
     assert geo(dict(auto, RANK_FLOOR="groups"), False, 32, 4096, 128) == (64, 64, False, 0)
     with pytest.raises(ValueError, match="64 to 1024 tile maxima per row, got 0"):
         geo(dict(on, RANK_FLOOR="tiles"), False, 32, 4096)

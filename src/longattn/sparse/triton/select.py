@@ -588,21 +588,22 @@ def indexer_select_kernel(
 # +0.3 us). RANK_CAP_MULT * KB_PAD candidates at most (2: 1 us faster than 4 at 4096 blocks)
 SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=True,
                        PACKED_SCATTER=True, RANK_SELECT=None, RANK_CAP_MULT=2,
-                       RANK_FLOOR=None, RANK_TILE_FOLD=True)  # fmt: skip
+                       RANK_FLOOR=None)  # fmt: skip
 # RANK_FLOOR "cross" (session 31, SASS only, not timed): ``_cross_bounds`` instead of the
 # [G, G] rank of the group maxima (``_rank_bounds``, ~2.2K cycles on the H100). "tiles"
 # (session 32): the score kernel's tile maxima (``_tile_bounds``): the row is not reduced in
 # the select at all. None: "tiles" when the launch is given usable tile maxima (at least
-# 2 * KB_PAD tiles, at most RANK_MAX_TILES), else "groups". RANK_TILE_FOLD: the tile maxima
-# folded into 2 * KB_PAD groups (sm_90, 4096 blocks, 128 tiles: 2712 instructions, 38 CTA
-# barriers) or ranked as they are (a [128, 128] comparison: 3312 instructions, 33 barriers)
+# 2 * KB_PAD tiles, at most RANK_MAX_TILES), else "groups". The tile maxima are folded into
+# 2 * KB_PAD groups (sm_90, 4096 blocks, 128 tiles: 2712 instructions, 38 CTA barriers); ranked
+# as they are (RANK_TILE_FOLD off, a [128, 128] comparison: 3312 instructions, 33 barriers) lost
+# on the H100 (select 5.13 vs 3.98 us, layer op 18.36 vs 17.0-17.2 us at 256K): removed
 # RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
 # 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
 RANK_DEFAULT_BLOCKS = (4096,)
 # ... and with the tiles floor (session 32, H100, select alone B=1 S=1 at 2048 blocks: 4.11-4.31
 # (radix steps) -> 3.45 us; layer op 16.68-16.87 -> 16.44 us, B=4 27.46-27.94 -> 27.18)
 RANK_TILE_BLOCKS = (2048, 4096)
-_HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR", "RANK_TILE_FOLD")
+_HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR")
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
 RANK_MAX_TILES = 1024  # tile maxima per row that _tile_bounds folds into 2 * KB_PAD groups
 RANK_FLOORS = ("groups", "cross", "tiles")
@@ -630,7 +631,7 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
         out["BLOCK_O"] = 256 if interpret else (4096 if wide else 1024)
     unknown = set(out) - {"RADIX_BITS", "BLOCK_O", "num_warps", "EMIT_2D", "EARLY_SCORES",
                           "ONE_SCAN", "PACKED_SCATTER", "RANK_SELECT",
-                          "RANK_CAP_MULT", "RANK_FLOOR", "RANK_TILE_FOLD"}  # fmt: skip
+                          "RANK_CAP_MULT", "RANK_FLOOR"}  # fmt: skip
     if unknown:
         raise ValueError(f"select cfg: unknown keys {sorted(unknown)}")
     if out["RADIX_BITS"] not in (2, 3, 4):
@@ -643,7 +644,6 @@ def select_config(cfg: dict | None, nb_pad: int, interpret: bool) -> dict:
     cfg_flag(out, "ONE_SCAN", True, what="select cfg")
     cfg_flag(out, "PACKED_SCATTER", True, what="select cfg")
     cfg_flag(out, "RANK_SELECT", None, allow_none=True, what="select cfg")
-    cfg_flag(out, "RANK_TILE_FOLD", True, what="select cfg")
     if out["RANK_CAP_MULT"] not in (1, 2, 4, 8) or isinstance(out["RANK_CAP_MULT"], bool):
         raise ValueError(f"select cfg['RANK_CAP_MULT'] must be 1, 2, 4 or 8, got "
                          f"{out['RANK_CAP_MULT']!r}")  # fmt: skip
@@ -681,8 +681,7 @@ def rank_geometry(
     "groups", ``2 * KB_PAD`` strided groups (``_rank_bounds``); "cross", ``NB_PAD // (2 *
     KB_PAD)`` columns of ``2 * KB_PAD`` rows (``_cross_bounds``); "tiles", the tile maxima
     (``_tile_bounds``: ``RANK_TILES`` = their power-of-two width, folded into ``RANK_G = 2 *
-    KB_PAD`` groups, or with ``RANK_TILE_FOLD`` off ranked as they are, ``RANK_G =
-    RANK_TILES``). An explicit "tiles" without usable tile maxima is a ValueError."""
+    KB_PAD`` groups). An explicit "tiles" without usable tile maxima is a ValueError."""
     floor = cfg["RANK_FLOOR"]
     if floor is None:
         floor = "tiles" if tiles_usable(n_tiles, kb_pad) else "groups"
@@ -695,7 +694,7 @@ def rank_geometry(
                              f"{2 * kb_pad} to {RANK_MAX_TILES} tile maxima per row, got "
                              f"{n_tiles}")  # fmt: skip
         nt = next_pow2(n_tiles)
-        return (2 * kb_pad if cfg["RANK_TILE_FOLD"] else nt), cap, False, nt
+        return 2 * kb_pad, cap, False, nt
     if floor == "cross":
         return max(1, nb_pad // (2 * kb_pad)), cap, True, 0
     return min(2 * kb_pad, nb_pad), cap, False, 0
