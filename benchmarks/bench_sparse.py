@@ -331,6 +331,11 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed); rank_groups: the
 #   session-31 floor (the k-th of 2 * KB_PAD strided group maxima, reduced in the select)
 #   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32);
+# - prefetch: the DSA split loop's own software pipeline (PREFETCH, launched with 1 stage: the
+#   next tile's K/V rows and the index entries of the one after it in flight while a tile is
+#   folded in; triton 3.6's pipeliner gives these gathers one shared-memory buffer, so each
+#   tile waits for its index load and its K/V round trip after the previous tile's math);
+#   sm_90 build at H=256 bf16: 244 registers, no spills (default 155 at 2 stages);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -351,6 +356,7 @@ _VARIANTS = {
     "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
+    "prefetch": (dict(PREFETCH=True), None),
     "again": (None, None),
 }
 
@@ -367,7 +373,13 @@ _CACHE_VARIANTS = {
     "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None),
     "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None),
     "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None),
+    # PREFETCH without the cap (at 168 its build spills 51 loads / 40 stores in the loop;
+    # uncapped 235 registers, 2 programs per SM)
+    "prefetch_uncapped": dict(PREFETCH=True, maxnreg=None, SM_PROGRAMS=2),
 }
+# ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's
+# variants; budget 8192 gives splits of several tiles)
+_CACHE_ALL_VARIANTS = {"prefetch": dict(PREFETCH=True)}
 
 
 def layer_section(rows, layers, copy_tbs, chains, grid):
@@ -445,7 +457,8 @@ def cache_section(rows, layers, copy_tbs):
                     r = _row("cache", layer, s, t, budget, dsa_us=round(us, 2),
                              vs_bf16=round(us / base[key], 3), dsa_MB=round(nbytes / 1e6, 2),
                              dsa_TBps=round(tbs, 3), dsa_vs_copy_BW=round(tbs / copy_tbs, 3))  # fmt: skip
-                    for name, dsa in _CACHE_VARIANTS.items() if dt == torch.int8 else ():
+                    more = _CACHE_VARIANTS if dt == torch.int8 else {}
+                    for name, dsa in {**more, **_CACHE_ALL_VARIANTS}.items():
                         with _variant(dsa):
                             v_us = _graph_time(functools.partial(_dsa_sel, layer, seqlens, t), sets)
                         r[f"dsa_{name}_us"] = round(v_us, 2)

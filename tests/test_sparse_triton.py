@@ -670,6 +670,44 @@ def test_dsa_fused_prologue_is_s1_only_and_checked(monkeypatch):
         _run_with_splits(build(42, h=32), 2, FUSE_PROLOGUE=1)
 
 
+_PREFETCH = [
+    # dtype, cache_dtype, per_channel, mode, extra build kwargs, extra cfg
+    (torch.float16, None, False, "selected_only", dict(s=3), {}),
+    (torch.float16, None, False, "selected_only", dict(s=2), dict(EARLY_CNT=False)),
+    (torch.float16, torch.int8, True, "selected_only", dict(s=2, h=80), {}),
+    (torch.float32, torch.float16, False, "local_plus_selected", dict(window=20, s=2), {}),
+    (torch.float16, None, False, "local_plus_selected", dict(shared_aux=True, s=2), {}),
+    (torch.float16, torch.int8, False, "selected_only", dict(s=1), dict(FUSE_PROLOGUE=True)),
+    (torch.float16, None, False, "selected_only", dict(first_prompt=True, b=3, s=4), {}),
+]
+
+
+@interpret
+@pytest.mark.parametrize("dtype,cache_dtype,per_channel,mode,extra,cfg", _PREFETCH)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dsa_prefetch_is_bitwise_the_tile_loop(dtype, cache_dtype, per_channel, mode, extra,
+                                               cfg, splits):  # fmt: skip
+    """``PREFETCH`` (the split loop's own software pipeline: the next tile's K/V and the
+    index entries of the one after it loaded while a tile is folded in) folds the same tiles
+    in the same order: the outputs and caches equal the default loop's bit for bit, over
+    splits of several tiles (interpreter BLOCK_N 16), a window segment, auxiliary keys,
+    int8 caches, the fused prologue (the new token's row among the candidates: counted, not
+    loaded) and a first prompt's padding rows."""
+    kw = build(splits * 10 + len(extra), dtype=dtype, cache_dtype=cache_dtype,
+               per_channel=per_channel, mode=mode, **dict(dict(h=32, m=40), **extra))  # fmt: skip
+    if extra["s"] == 1:
+        kw = _with_new_token_selected(kw)
+    base, (bk, bv) = _run_with_splits(_clone(kw), splits, prologue="triton", **cfg)
+    got, (gk, gv) = _run_with_splits(_clone(kw), splits, prologue="triton", PREFETCH=True,
+                                     **cfg)  # fmt: skip
+    assert torch.equal(got, base)
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))  # NaN rows: bitwise
+    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton prefetch")
+    with pytest.raises(ValueError, match=r"cfg\['PREFETCH'\] must be a bool"):
+        _run_with_splits(_clone(kw), splits, PREFETCH=1)
+
+
 @interpret
 @pytest.mark.parametrize("first", [False, True])
 def test_dsa_early_cnt_default_and_checked(first, monkeypatch):
@@ -1060,6 +1098,39 @@ def test_gpu_dsa_int8_register_caps(cfg, s):
     got, _ = _run_with_splits(_clone(kw), None, **cfg)
     _assert_within_roundings(got, base, 2)
     assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton int8 capped")
+
+
+@gpu
+@pytest.mark.parametrize(
+    "cache,mode,extra",
+    [
+        (torch.bfloat16, "selected_only", {}),
+        (torch.float16, "selected_only", {}),
+        (torch.int8, "selected_only", {}),  # the int8 default's 168-register cap (spills)
+        (torch.int8, "selected_only", dict(maxnreg=None, SM_PROGRAMS=2)),
+        (torch.bfloat16, "local_plus_selected", {}),
+        (torch.bfloat16, "selected_only", dict(FUSE_PROLOGUE=True)),
+    ],
+)
+@pytest.mark.parametrize("s", [1, 8])
+def test_gpu_dsa_prefetch_matches_the_tile_loop(cache, mode, extra, s):
+    """``PREFETCH`` at the Qwen-like geometry (bf16 activations, budget 2048, splits of one to
+    many tiles): within two output roundings of the default loop (the same tiles in the same
+    order), within the fp64 tolerance, and the same caches bit for bit."""
+    if s > 1 and extra.get("FUSE_PROLOGUE"):
+        pytest.skip("the fused prologue is S = 1 only")
+    kw = build(61 + s, device="cuda", b=2, s=s, h=256, n=24, kv=4, past=(9000, 70000),
+               m=2111, dtype=torch.bfloat16, cache_dtype=cache, mode=mode, window=128,
+               aux_len=4096, per_channel=cache == torch.int8)  # fmt: skip
+    if s == 1:
+        kw = _with_new_token_selected(kw)
+    base, (bk, bv) = _run_with_splits(_clone(kw), None, prologue="triton")
+    got, (gk, gv) = _run_with_splits(_clone(kw), None, prologue="triton", PREFETCH=True,
+                                     **extra)  # fmt: skip
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
+    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
+    _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton prefetch")
 
 
 @gpu

@@ -81,6 +81,7 @@ def _attend_tiles(
     IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
 
@@ -93,8 +94,43 @@ def _attend_tiles(
     prologue, main-cache segments): valid candidates at row ``new_pos`` (the new token's row,
     which another program of the grid may be writing) are not loaded but counted in
     ``n_new`` (int32 scalar), for ``_fold_new_row`` after the loop.
+
+    ``PREFETCH`` (launched with ``num_stages=1``): a software pipeline written out here, as
+    Triton 3.6's pipeliner gives these gathers one shared-memory buffer (each tile's K/V
+    round trip waits after the previous tile's math, and the index load before it): the K/V
+    rows of tile ``i + 1`` and the index entries of tile ``i + 2`` are in flight (registers)
+    while tile ``i`` is folded in.
     """
-    if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
+    if PREFETCH:
+        pos, ok, nn = _tile_rows(
+            idx_ptr, stride_idx, j_start, j_load_end, j_end, lo, qpos, row_real, limit,
+            new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
+        )  # fmt: skip
+        k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
+        v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
+        pos_n, ok_n, nn_n = _tile_rows(
+            idx_ptr, stride_idx, j_start + BLOCK_N, j_load_end, j_end, lo, qpos, row_real,
+            limit, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
+        )  # fmt: skip
+        if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
+            j0 = j_start
+            while j0 < j_load_end:
+                acc, m_i, l_i, n_new, k, v, ok, nn, pos_n, ok_n, nn_n = _prefetch_step(
+                    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base,
+                    v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end,
+                    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW,
+                    SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                )  # fmt: skip
+                j0 += BLOCK_N
+        else:
+            for j0 in range(j_start, j_load_end, BLOCK_N):
+                acc, m_i, l_i, n_new, k, v, ok, nn, pos_n, ok_n, nn_n = _prefetch_step(
+                    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base,
+                    v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end,
+                    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW,
+                    SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                )  # fmt: skip
+    elif INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
         while j0 < j_load_end:
             acc, m_i, l_i, n_new = _attend_tile(
@@ -116,12 +152,15 @@ def _attend_tiles(
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
-    j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
-    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+def _tile_rows(
+    idx_ptr, stride_idx, j0, j_load_end, j_end, lo, qpos, row_real, limit, new_pos,
+    IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
+    """``(pos [BLOCK_N] int32 (0 where not loaded), ok [BLOCK_N], n_new)`` of the tile of
+    candidate slots ``j0 ..``: the cache rows to load and which to fold in (see
+    ``_attend_tiles``); ``n_new`` (``SUBST``) counts the valid candidates at ``new_pos``,
+    which are left out of ``ok``."""
     offs_j = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate slots
     in_range = offs_j < j_end
     if IS_WINDOW:
@@ -136,14 +175,27 @@ def _attend_tile(
             ok = ok & (pos <= qpos)
             if DEDUP:
                 ok = ok & (pos < lo)  # inside the window: already a candidate
+    n_new = tl.zeros([], dtype=tl.int32)
     if SUBST:
         is_new = ok & (pos == new_pos)  # [BLOCK_N]
-        n_new += tl.sum(is_new.to(tl.int32), 0)
+        n_new = tl.sum(is_new.to(tl.int32), 0)
         ok = ok & (pos != new_pos)
     # in-head offsets fit int32 (the host checks C * stride < 2**31); the base is int64
-    pos = tl.where(ok, pos, 0).to(tl.int32)
-    ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD] (mask_d: constant if EVEN)
-    k = tl.load(k_base + (pos[:, None] * stride_kc + offs_d[None, :]), mask=ld_mask, other=0)
+    return tl.where(ok, pos, 0).to(tl.int32), ok, n_new
+
+
+@triton.jit
+def _load_rows(base, pos, ok, stride, offs_d, mask_d):
+    """The cache rows ``pos [BLOCK_N]`` where ``ok`` (zeros elsewhere): ``[BLOCK_N, HEAD_PAD]``
+    (``mask_d``: a constant when HEAD == HEAD_PAD)."""
+    ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD]
+    return tl.load(base + (pos[:, None] * stride + offs_d[None, :]), mask=ld_mask, other=0)
+
+
+@triton.jit
+def _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr):
+    """``(p [G_PAD, BLOCK_N], alpha [G_PAD], m_new, l_new)`` of the online softmax over one K
+    tile ``k [BLOCK_N, HEAD_PAD]`` (cache dtype; masked slots ``~ok`` take no weight)."""
     k = cache_to_dot(k, QK_DTYPE, True)  # [BLOCK_N, HEAD_PAD]
     qk = tl.dot(q.to(QK_DTYPE), tl.trans(k), input_precision=QK_PREC)
     # qk_scale: a scalar, or [G_PAD, 1] (power-of-two Q rows: each row's inverse factor)
@@ -152,12 +204,56 @@ def _attend_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)  # m_i = -inf -> 0
     p = tl.exp2(s - m_safe[:, None])  # [G_PAD, BLOCK_N], 0 where masked
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + (pos[:, None] * stride_vc + offs_d[None, :]), mask=ld_mask, other=0)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _tile_pv(acc, alpha, p, v, PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr):
+    """``acc [G_PAD, HEAD_PAD]`` rescaled by ``alpha`` plus ``p . v`` (V tile in cache dtype)."""
     v = cache_to_dot(v, PV_DTYPE, False)  # [BLOCK_N, HEAD_PAD]
     pv = tl.dot(p.to(PV_DTYPE), v, input_precision=PV_PREC)  # [G_PAD, HEAD_PAD]
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i, n_new
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
+    j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+):  # fmt: skip
+    """One tile, loads in program order (the pipeliner's ``num_stages`` schedules them)."""
+    pos, ok, nn = _tile_rows(
+        idx_ptr, stride_idx, j0, j_load_end, j_end, lo, qpos, row_real, limit, new_pos,
+        IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
+    )  # fmt: skip
+    k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
+    p, alpha, m_new, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
+    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
+    acc = _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC)
+    return acc, m_new, l_i, n_new + nn
+
+
+@triton.jit
+def _prefetch_step(
+    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base, v_base, idx_ptr,
+    stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d,
+    mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr,
+    DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
+    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+):  # fmt: skip
+    """``PREFETCH``: fold in tile ``j0`` (``k, v, ok, nn`` loaded one step earlier) after
+    issuing the K/V loads of the next tile (rows ``pos_n``) and the index loads of the one
+    after it; returns the state shifted by one tile."""
+    k_n = _load_rows(k_base, pos_n, ok_n, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
+    v_n = _load_rows(v_base, pos_n, ok_n, stride_vc, offs_d, mask_d)
+    pos_nn, ok_nn, nn_nn = _tile_rows(
+        idx_ptr, stride_idx, j0 + 2 * BLOCK_N, j_load_end, j_end, lo, qpos, row_real, limit,
+        new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
+    )  # fmt: skip
+    p, alpha, m_i, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
+    acc = _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC)
+    return acc, m_i, l_i, n_new + nn, k_n, v_n, ok_n, nn_n, pos_nn, ok_nn, nn_nn
 
 
 @triton.jit
@@ -252,6 +348,7 @@ def dsa_split_kernel(
     K_QUANT: tl.constexpr = False,
     HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
     EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
+    PREFETCH: tl.constexpr = False,  # the tile loop's software pipeline (cfg; num_stages=1)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -316,7 +413,7 @@ def dsa_split_kernel(
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
             w1, w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
-            FUSE_PROLOGUE, INTERPRET,
+            FUSE_PROLOGUE, INTERPRET, PREFETCH,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
@@ -340,14 +437,14 @@ def dsa_split_kernel(
             acc, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
             stride_vac, j0, j_load, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
             False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
-            BLOCK_N, False, INTERPRET,
+            BLOCK_N, False, INTERPRET, PREFETCH,
         )  # fmt: skip
     else:
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
             stride_vcc, j0, j_load, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
             False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
-            BLOCK_N, FUSE_PROLOGUE, INTERPRET,
+            BLOCK_N, FUSE_PROLOGUE, INTERPRET, PREFETCH,
         )  # fmt: skip
 
     if FUSE_PROLOGUE:
@@ -663,6 +760,8 @@ def dsa_triton(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
     cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
+    if cfg_flag(cfg, "PREFETCH", False, what="DSA cfg"):  # the loop pipelines itself
+        cfg["num_stages"] = 1
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
     lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
