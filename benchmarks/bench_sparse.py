@@ -335,7 +335,8 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   next tile's K/V rows and the index entries of the one after it in flight while a tile is
 #   folded in; triton 3.6's pipeliner gives these gathers one shared-memory buffer, so each
 #   tile waits for its index load and its K/V round trip after the previous tile's math);
-#   sm_90 build at H=256 bf16: 244 registers, no spills (default 155 at 2 stages);
+#   sm_90 build at H=256 bf16: 244 registers, no spills (default 155 at 2 stages): 2 programs
+#   per SM; prefetch_w2: with the split plan capped at one wave of those (SM_PROGRAMS=2);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -357,6 +358,7 @@ _VARIANTS = {
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
     "prefetch": (dict(PREFETCH=True), None),
+    "prefetch_w2": (dict(PREFETCH=True, SM_PROGRAMS=2), None),
     "again": (None, None),
 }
 
