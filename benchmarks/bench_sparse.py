@@ -331,12 +331,12 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed); rank_groups: the
 #   session-31 floor (the k-th of 2 * KB_PAD strided group maxima, reduced in the select)
 #   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32);
-# - prefetch: the DSA split loop's own software pipeline (PREFETCH, launched with 1 stage: the
-#   next tile's K/V rows and the index entries of the one after it in flight while a tile is
-#   folded in; triton 3.6's pipeliner gives these gathers one shared-memory buffer, so each
-#   tile waits for its index load and its K/V round trip after the previous tile's math);
-#   sm_90 build at H=256 bf16: 244 registers, no spills (default 155 at 2 stages): 2 programs
-#   per SM; prefetch_w2: with the split plan capped at one wave of those (SM_PROGRAMS=2);
+# - prefetch: the DSA split loop's index entries loaded one step ahead (PREFETCH, launched
+#   with >= 3 stages), so that triton 3.6's pipeliner double-buffers the K/V gathers (sm_90
+#   ttgir: 2 x [32, 256] tiles, async_wait num 2; the default loop gets one buffer and waits
+#   num 0: each tile's index load and K/V round trip exposed after the previous tile's
+#   math); H=256 bf16: 117 registers (default 155), 73 KB of shared memory (3 per SM);
+#   prefetch_w2: with the split plan capped at one wave of 2 programs per SM (SM_PROGRAMS=2);
 # - again: the defaults re-timed (the run's noise).
 # Entries: (DSA cfg keys, select cfg keys[, MERGE_EARLY_O[, PDL_EARLY_TRIGGER[,
 # MERGE_ONE_WARP_FROM]]]).
@@ -375,8 +375,8 @@ _CACHE_VARIANTS = {
     "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None),
     "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None),
     "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None),
-    # PREFETCH without the cap (at 168 its build spills 51 loads / 40 stores in the loop;
-    # uncapped 235 registers, 2 programs per SM)
+    # PREFETCH without the register cap (at 168: 8 bytes of stack, loop 1030 instructions;
+    # uncapped 202 registers, 2 programs per SM)
     "prefetch_uncapped": dict(PREFETCH=True, maxnreg=None, SM_PROGRAMS=2),
 }
 # ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's

@@ -687,9 +687,8 @@ _PREFETCH = [
 @pytest.mark.parametrize("splits", [1, 3])
 def test_dsa_prefetch_is_bitwise_the_tile_loop(dtype, cache_dtype, per_channel, mode, extra,
                                                cfg, splits):  # fmt: skip
-    """``PREFETCH`` (the split loop's own software pipeline: the next tile's K/V and the
-    index entries of the one after it loaded while a tile is folded in) folds the same tiles
-    in the same order: the outputs and caches equal the default loop's bit for bit, over
+    """``PREFETCH`` (each tile's index entries loaded one step ahead, so that the pipeliner
+    multi-buffers the K/V gathers) folds the same tiles in the same order: the outputs and caches equal the default loop's bit for bit, over
     splits of several tiles (interpreter BLOCK_N 16), a window segment, auxiliary keys,
     int8 caches, the fused prologue (the new token's row among the candidates: counted, not
     loaded) and a first prompt's padding rows."""
@@ -1106,7 +1105,7 @@ def test_gpu_dsa_int8_register_caps(cfg, s):
     [
         (torch.bfloat16, "selected_only", {}),
         (torch.float16, "selected_only", {}),
-        (torch.int8, "selected_only", {}),  # the int8 default's 168-register cap (spills)
+        (torch.int8, "selected_only", {}),  # the int8 default's 168-register cap
         (torch.int8, "selected_only", dict(maxnreg=None, SM_PROGRAMS=2)),
         (torch.bfloat16, "local_plus_selected", {}),
         (torch.bfloat16, "selected_only", dict(FUSE_PROLOGUE=True)),

@@ -95,40 +95,35 @@ def _attend_tiles(
     which another program of the grid may be writing) are not loaded but counted in
     ``n_new`` (int32 scalar), for ``_fold_new_row`` after the loop.
 
-    ``PREFETCH`` (launched with ``num_stages=1``): a software pipeline written out here, as
-    Triton 3.6's pipeliner gives these gathers one shared-memory buffer (each tile's K/V
-    round trip waits after the previous tile's math, and the index load before it): the K/V
-    rows of tile ``i + 1`` and the index entries of tile ``i + 2`` are in flight (registers)
-    while tile ``i`` is folded in.
+    ``PREFETCH``: each tile's index entries are loaded one step ahead (after the previous
+    tile's math, carried into the next step), as the paged kernel does with its block
+    entries. Triton 3.6's pipeliner then multi-buffers the K/V gathers (``num_stages`` >= 3:
+    ``num_stages - 1`` shared-memory tiles, the next tile's rows in flight during this one's
+    math); with the index load inside the step it gives them one buffer (each tile waits for
+    its index load, then its K/V round trip, after the previous tile's math).
     """
     if PREFETCH:
         pos, ok, nn = _tile_rows(
             idx_ptr, stride_idx, j_start, j_load_end, j_end, lo, qpos, row_real, limit,
             new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
         )  # fmt: skip
-        k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
-        v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
-        pos_n, ok_n, nn_n = _tile_rows(
-            idx_ptr, stride_idx, j_start + BLOCK_N, j_load_end, j_end, lo, qpos, row_real,
-            limit, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
-        )  # fmt: skip
         if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
             j0 = j_start
             while j0 < j_load_end:
-                acc, m_i, l_i, n_new, k, v, ok, nn, pos_n, ok_n, nn_n = _prefetch_step(
-                    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base,
-                    v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end,
-                    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW,
-                    SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                acc, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
+                    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
+                    stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
+                    offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
                 )  # fmt: skip
                 j0 += BLOCK_N
         else:
             for j0 in range(j_start, j_load_end, BLOCK_N):
-                acc, m_i, l_i, n_new, k, v, ok, nn, pos_n, ok_n, nn_n = _prefetch_step(
-                    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base,
-                    v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end,
-                    lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW,
-                    SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                acc, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
+                    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
+                    stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
+                    offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
                 )  # fmt: skip
     elif INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
@@ -216,44 +211,55 @@ def _tile_pv(acc, alpha, p, v, PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr):
 
 
 @triton.jit
+def _fold_rows(
+    acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d, qk_scale,
+    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PV_PREC: tl.constexpr,
+):  # fmt: skip
+    """One tile of cache rows ``pos`` (``_tile_rows``) folded into ``(acc, m, l)``: its K rows
+    loaded, the online softmax, then its V rows and ``P.V`` (the V load after the softmax)."""
+    k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
+    p, alpha, m_new, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
+    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
+    return _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC), m_new, l_i
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
     j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
-    """One tile, loads in program order (the pipeliner's ``num_stages`` schedules them)."""
+    """One tile: its index entries, then its rows (the default loop)."""
     pos, ok, nn = _tile_rows(
         idx_ptr, stride_idx, j0, j_load_end, j_end, lo, qpos, row_real, limit, new_pos,
         IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
     )  # fmt: skip
-    k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
-    p, alpha, m_new, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
-    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
-    acc = _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC)
-    return acc, m_new, l_i, n_new + nn
+    acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
+                               offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
+                               PV_PREC)  # fmt: skip
+    return acc, m_i, l_i, n_new + nn
 
 
 @triton.jit
-def _prefetch_step(
-    acc, m_i, l_i, n_new, q, k, v, ok, nn, pos_n, ok_n, nn_n, k_base, v_base, idx_ptr,
-    stride_idx, stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d,
-    mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr,
-    DEDUP: tl.constexpr, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr,
-    PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+def _ahead_step(
+    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+    stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
+    new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
+    QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
 ):  # fmt: skip
-    """``PREFETCH``: fold in tile ``j0`` (``k, v, ok, nn`` loaded one step earlier) after
-    issuing the K/V loads of the next tile (rows ``pos_n``) and the index loads of the one
-    after it; returns the state shifted by one tile."""
-    k_n = _load_rows(k_base, pos_n, ok_n, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
-    v_n = _load_rows(v_base, pos_n, ok_n, stride_vc, offs_d, mask_d)
-    pos_nn, ok_nn, nn_nn = _tile_rows(
-        idx_ptr, stride_idx, j0 + 2 * BLOCK_N, j_load_end, j_end, lo, qpos, row_real, limit,
+    """``PREFETCH``: fold in tile ``j0`` (rows ``pos, ok, nn`` loaded one step earlier), then
+    load the index entries of tile ``j0 + BLOCK_N`` for the next step."""
+    acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
+                               offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
+                               PV_PREC)  # fmt: skip
+    pos_n, ok_n, nn_n = _tile_rows(
+        idx_ptr, stride_idx, j0 + BLOCK_N, j_load_end, j_end, lo, qpos, row_real, limit,
         new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
     )  # fmt: skip
-    p, alpha, m_i, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
-    acc = _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC)
-    return acc, m_i, l_i, n_new + nn, k_n, v_n, ok_n, nn_n, pos_nn, ok_nn, nn_nn
+    return acc, m_i, l_i, n_new + nn, pos_n, ok_n, nn_n
 
 
 @triton.jit
@@ -348,7 +354,7 @@ def dsa_split_kernel(
     K_QUANT: tl.constexpr = False,
     HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
     EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
-    PREFETCH: tl.constexpr = False,  # the tile loop's software pipeline (cfg; num_stages=1)
+    PREFETCH: tl.constexpr = False,  # index entries one tile ahead (cfg; num_stages >= 3)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -567,6 +573,7 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     return cfg
 
 
+PREFETCH_STAGES = 3  # least pipeline depth of a PREFETCH launch (2 K/V tiles in shared memory)
 LONG_SPLIT_TILES = 8  # a split of at least this many BLOCK_N tiles takes LONG_SPLIT_STAGES
 
 
@@ -760,8 +767,8 @@ def dsa_triton(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
     cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
-    if cfg_flag(cfg, "PREFETCH", False, what="DSA cfg"):  # the loop pipelines itself
-        cfg["num_stages"] = 1
+    if cfg_flag(cfg, "PREFETCH", False, what="DSA cfg"):  # K/V tiles multi-buffered
+        cfg["num_stages"] = max(cfg["num_stages"], PREFETCH_STAGES)
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
     lse_part = _empty((rows, n, splits), dtype=torch.float32, device=dev)
