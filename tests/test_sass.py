@@ -167,6 +167,22 @@ def test_dsa_fused_prologue_loop_costs_one_compare_per_candidate():
     assert not any(op in loop_c for op in ("LDL", "STL", "LDL.LU")), loop_c
 
 
+def test_dsa_prefetch_double_buffers_the_gathers():
+    """PREFETCH (index entries one step ahead, 3 stages; H=256 bf16, BLOCK_N 32): the
+    pipeliner keeps two K and two V tiles in shared memory (>= 4 x 16 KB), where the default
+    loop at 2 or 3 stages gets one of each (its index load inside the step); same MMAs per
+    tile, no local memory, fewer registers than the default build."""
+    tile = 32 * 256 * 2  # one [BLOCK_N, HEAD] bf16 tile
+    base = _sass("dsa-decode", "--stages", "2")
+    base3 = _sass("dsa-decode", "--stages", "3")
+    ahead = _sass("dsa-decode", "--stages", "3", "--set", "PREFETCH=True")
+    assert base["shared"] < 4 * tile and base3["shared"] < 4 * tile, (base, base3)
+    assert ahead["shared"] >= 4 * tile, ahead["shared"]
+    (loop_b,), (loop_a,) = base["loops"], ahead["loops"]
+    assert loop_a.get("HMMA", 0) == loop_b.get("HMMA", 0) > 0
+    assert ahead["stack"] == 0 and ahead["regs"] <= base["regs"], (ahead["regs"], base["regs"])
+
+
 def test_dsa_int8_loop_takes_fp16_operands_and_the_small_tile_fits_128_registers():
     """int8 main cache, H=256, group 6, bf16 activations (the preset's fp16 power-of-two Q
     rows): the default build (BLOCK_N 32, 2 stages) converts K and V to fp16 operands in a loop
