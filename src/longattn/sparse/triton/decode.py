@@ -713,7 +713,7 @@ def dsa_triton(
     ``[B, KV, A, H]`` float (local_plus_selected); selected_indices ``[B*S, M]`` int32/int64;
     selected_counts ``[B*S]``; seqlens_k ``[B]`` int32. Returns ``[B, S, N*H]`` in query's
     dtype. No host synchronization (CUDA-graph capturable). ``cfg`` (BLOCK_N / num_warps /
-    num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES), ``num_splits`` and
+    num_stages / FUSE_PROLOGUE / SM_PROGRAMS / LONG_SPLIT_STAGES / PREFETCH), ``num_splits`` and
     ``prologue`` ("triton" | "torch") are tuning/test hooks. ``FUSE_PROLOGUE`` (see
     ``_triton_prologue.fuse_prologue``): at S = 1 the split kernel does the prologue's work
     itself (one launch fewer). ``prepared``: ``(q_rot, q_scale)`` of ``q_buffers`` that a
@@ -721,6 +721,8 @@ def dsa_triton(
     beside its select kernel (``sparse.triton.layer``); no prologue here then.
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
+    ``PREFETCH`` (bool, off): the split loop loads each tile's index entries one step ahead
+    (see ``_attend_tiles``; launched with at least PREFETCH_STAGES stages).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
