@@ -621,12 +621,23 @@ def test_dsa_fused_prologue_matches_the_prologue_kernel(
     kw = build(splits * 100 + len(extra), dtype=dtype, cache_dtype=cache_dtype,
                per_channel=per_channel, mode=mode, **dict(dict(h=32, m=24), **extra))  # fmt: skip
     kw = _with_new_token_selected(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), splits, prologue="triton")
-    got, (gk, gv) = _run_with_splits(_clone(kw), splits, prologue="triton", FUSE_PROLOGUE=True)
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))  # NaN rows: bitwise
+    _assert_variant_matches(kw, "dsa triton fused", splits, FUSE_PROLOGUE=True)
+
+
+def _assert_variant_matches(kw, name, splits=None, exact=False, base_cfg=None, **cfg):
+    """The tier (Triton prologue) with ``cfg`` keys added against the same call without them
+    (``base_cfg`` in both): the same caches bit for bit (NaN rows included), the output equal
+    (``exact``) or within two output roundings, and within the fp64 tolerance."""
+    base_cfg = base_cfg or {}
+    base, (bk, bv) = _run_with_splits(_clone(kw), splits, prologue="triton", **base_cfg)
+    got, (gk, gv) = _run_with_splits(_clone(kw), splits, prologue="triton", **base_cfg, **cfg)
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
     assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    _assert_within_roundings(got, base, 2)
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
+    if exact:
+        assert torch.equal(got, base)
+    else:
+        _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name=name)
 
 
 def _assert_within_roundings(got, base, ulps):
@@ -696,13 +707,8 @@ def test_dsa_prefetch_is_bitwise_the_tile_loop(dtype, cache_dtype, per_channel, 
                per_channel=per_channel, mode=mode, **dict(dict(h=32, m=40), **extra))  # fmt: skip
     if extra["s"] == 1:
         kw = _with_new_token_selected(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), splits, prologue="triton", **cfg)
-    got, (gk, gv) = _run_with_splits(_clone(kw), splits, prologue="triton", PREFETCH=True,
-                                     **cfg)  # fmt: skip
-    assert torch.equal(got, base)
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))  # NaN rows: bitwise
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton prefetch")
+    _assert_variant_matches(kw, "dsa triton prefetch", splits, exact=True, base_cfg=cfg,
+                            PREFETCH=True)  # fmt: skip
     with pytest.raises(ValueError, match=r"cfg\['PREFETCH'\] must be a bool"):
         _run_with_splits(_clone(kw), splits, PREFETCH=1)
 
@@ -1123,13 +1129,7 @@ def test_gpu_dsa_prefetch_matches_the_tile_loop(cache, mode, extra, s):
                aux_len=4096, per_channel=cache == torch.int8)  # fmt: skip
     if s == 1:
         kw = _with_new_token_selected(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), None, prologue="triton")
-    got, (gk, gv) = _run_with_splits(_clone(kw), None, prologue="triton", PREFETCH=True,
-                                     **extra)  # fmt: skip
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    _assert_within_roundings(got, base, 2)
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton prefetch")
+    _assert_variant_matches(kw, "dsa triton prefetch", PREFETCH=True, **extra)
 
 
 @gpu
@@ -1152,13 +1152,7 @@ def test_gpu_dsa_fused_prologue_matches_the_prologue_kernel(cache, mode, extra):
                dtype=torch.bfloat16, cache_dtype=cache, mode=mode, window=128,
                aux_len=4096, per_channel=cache == torch.int8)  # fmt: skip
     kw = _with_new_token_selected(kw)
-    base, (bk, bv) = _run_with_splits(_clone(kw), None, prologue="triton")
-    got, (gk, gv) = _run_with_splits(_clone(kw), None, prologue="triton", FUSE_PROLOGUE=True,
-                                     **extra)  # fmt: skip
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    _assert_within_roundings(got, base, 2)
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton fused")
+    _assert_variant_matches(kw, "dsa triton fused", FUSE_PROLOGUE=True, **extra)
 
 
 @gpu
