@@ -318,6 +318,22 @@ def indexer_scores_and_tiles(index_query, index_block_keys, seqlens_k, *, num_in
                          tile_max=tile_max)  # fmt: skip
 
 
+def scores_for_select(index_query, index_block_keys, seqlens_k, *, num_index_heads,
+                      compress_ratio, token_budget, scale, is_first_prompt, cfg=None):  # fmt: skip
+    """``(scores, tile maxima)`` for ``select.select_launch_args``: one score launch, with the
+    tile maxima where the select's rank floor takes them (``select.wants_tile_max``; see
+    ``indexer_scores_and_tiles``); ``(None, None)`` when no block can be chosen
+    (``token_budget < compress_ratio`` or no blocks: no score is read)."""
+    nb = index_block_keys.shape[1]
+    if token_budget // compress_ratio == 0 or nb == 0:
+        return None, None
+    return indexer_scores_and_tiles(
+        index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+        compress_ratio=compress_ratio, scale=scale, is_first_prompt=is_first_prompt, cfg=cfg,
+        tile_max=wants_tile_max(nb, token_budget, compress_ratio),
+    )  # fmt: skip
+
+
 def select_supported(num_blocks: int) -> bool:
     """Whether ``select.indexer_select_kernel`` holds a row of ``num_blocks`` blocks."""
     return select_pads(num_blocks, 0)[0] <= MAX_BLOCKS
@@ -353,12 +369,8 @@ def indexer_triton(
     kw = dict(num_index_heads=num_index_heads, compress_ratio=r, scale=scale,
               is_first_prompt=is_first_prompt, cfg=cfg)  # fmt: skip
     if fused_select and select_supported(nb):
-        scores = tmax = None
-        if kb > 0 and nb > 0:
-            scores, tmax = indexer_scores_and_tiles(
-                index_query, index_block_keys, seqlens_k, **kw,
-                tile_max=wants_tile_max(nb, token_budget, r),
-            )  # fmt: skip
+        scores, tmax = scores_for_select(index_query, index_block_keys, seqlens_k,
+                                         token_budget=token_budget, **kw)  # fmt: skip
         return indexer_select(scores, seqlens_k, seq_len=s, num_blocks=nb, compress_ratio=r,
                               token_budget=token_budget, is_first_prompt=is_first_prompt,
                               interpret=_interpret(), empty=_empty, tile_max=tmax)  # fmt: skip

@@ -27,8 +27,8 @@ from ...gqa.triton.launch import prologue_launch_args
 from ...gqa.triton.prologue import prologue_program
 from .._params import DSAParams
 from .decode import dsa_triton, q_buffers, triton_prologue_fits
-from .indexer import indexer_scores_and_tiles, select_supported
-from .select import select_launch_args, select_row, wants_tile_max
+from .indexer import scores_for_select, select_supported
+from .select import select_launch_args, select_row
 
 _empty = torch.empty  # buffers of this launcher (tests poison them with NaN)
 
@@ -128,13 +128,10 @@ def sparse_layer_triton(
     nb = index_block_keys.shape[1]
     r = compress_ratio
     first = p.is_first_prompt
-    scores = tmax = None
-    if token_budget // r > 0 and nb > 0:
-        scores, tmax = indexer_scores_and_tiles(
-            index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
-            compress_ratio=r, scale=index_scale, is_first_prompt=first,
-            tile_max=wants_tile_max(nb, token_budget, r),
-        )  # fmt: skip
+    scores, tmax = scores_for_select(
+        index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
+        compress_ratio=r, token_budget=token_budget, scale=index_scale, is_first_prompt=first,
+    )  # fmt: skip
     sel, cnt, sel_args = select_launch_args(
         scores, seqlens_k, seq_len=s, num_blocks=nb, compress_ratio=r, token_budget=token_budget,
         is_first_prompt=first, interpret=_interpret(), empty=_empty, tile_max=tmax,
