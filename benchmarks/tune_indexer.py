@@ -6,6 +6,8 @@ keys from DRAM).
     PYTHONPATH=src python benchmarks/tune_indexer.py --out $OUT
     PYTHONPATH=src python benchmarks/tune_indexer.py --configs 1x1 --T 131072,262144 \
         --kernels select_phases --out $OUT   # cycles per phase of the select kernel
+    PYTHONPATH=src python benchmarks/tune_indexer.py --configs 1x1,4x1,1x8,4x8 \
+        --T 131072,262144 --kernels score_tiles --out $OUT   # the score launch's tile maxima
 
 Geometry of ``bench_sparse.py``: NI = 16 index heads of DI = 128, fp32 block keys, bf16 index
 query, r = 64, budget 2048 (32 blocks; ``--budgets`` for others). Writes ``tune_indexer.json``
@@ -128,6 +130,42 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid
         print(row, flush=True)
 
 
+def score_tiles(b, s, t, rows, budget=BUDGET, rounds=2):
+    """The default score launch with and without the tile maxima the select's rank floor takes
+    (``tile_max = select.wants_tile_max(...)`` vs 0), interleaved ``rounds`` times; the
+    scores must be equal. A row with ``tile_max`` 0 (the select takes no maxima) is skipped."""
+    seqlens, layers = _layers(b, s, t)
+    nb = layers[0][1].shape[1]
+    want = sl.wants_tile_max(nb, budget, R)
+
+    def launch(q, k, tm):
+        return ix.indexer_scores_and_tiles(
+            q,
+            k,
+            seqlens,
+            num_index_heads=NI,
+            compress_ratio=R,
+            scale=DI**-0.5,
+            is_first_prompt=False,
+            tile_max=tm,
+        )
+
+    plain, tiled = launch(*layers[0], 0), launch(*layers[0], want)
+    if tiled[1] is None:
+        print(f"score_tiles B={b} S={s} T={t}: no tile maxima (tile_max {want})", flush=True)
+        return
+    same = torch.equal(plain[0].nan_to_num(-1.0), tiled[0].nan_to_num(-1.0))
+    row = dict(kernel="score_tiles", B=b, S=s, T=t, budget=budget, tile_max=want,
+               n_tiles=tiled[1].shape[1], same_scores=same, plain_us=[], tiles_us=[])  # fmt: skip
+    for _ in range(rounds):
+        for key, tm in (("plain_us", 0), ("tiles_us", want)):
+            us = graph_bench_chain([lambda q=q, k=k, tm=tm: launch(q, k, tm) for q, k in layers],
+                                   min_time_s=0.05)["median_us"]  # fmt: skip
+            row[key].append(round(us, 2))
+    rows.append(row)
+    print(row, flush=True)
+
+
 PHASES = ("load_bounds", "radix", "chosen_scatter", "emit")  # between select.CLOCK_MARKS
 
 
@@ -180,7 +218,9 @@ def main(argv=None):
     ap.add_argument("--configs", default="1x1,4x1,1x8,4x8")
     ap.add_argument("--T", default="131072", help="comma-separated lengths")
     ap.add_argument("--budgets", default=str(BUDGET), help="comma-separated (select sweep)")
-    ap.add_argument("--kernels", default="score,select", help="score, select, select_phases")
+    ap.add_argument(
+        "--kernels", default="score,select", help="score, select, select_phases, score_tiles"
+    )
     ap.add_argument("--select-warps", default=None, help="e.g. 4,8,16 (default 8)")
     ap.add_argument("--select-bits", default=None, help="e.g. 2 (default 2,3)")
     ap.add_argument(
@@ -216,6 +256,8 @@ def main(argv=None):
         kernels = args.kernels.split(",")
         if {"score", "select"} & set(kernels):
             sweep(b, s, int(t), rows, kernels, int(budget), sg)
+        if "score_tiles" in kernels:
+            score_tiles(b, s, int(t), rows, int(budget))
         if "select_phases" in kernels:
             for cfg in phases_cfgs:
                 select_phases(b, s, int(t), rows, int(budget), cfg=cfg or None)
