@@ -1,6 +1,7 @@
 """Sweep of the DSA split kernel's launch plan (GPU machine): splits x num_stages x num_warps.
 
     PYTHONPATH=src python benchmarks/tune_dsa.py --out $OUT
+    PYTHONPATH=src python benchmarks/tune_dsa.py --cases 1x8 --cfg '{"PREFETCH": true}'
 
 Qwen3.8 geometry of ``bench_sparse`` (H = 256, (24, 4), r = 64, budget 2048, bf16 cache),
 T = 128K, decode S = 1 (and S = 8), B in {1, 4}. Each point is the CUDA-graph replay of the
@@ -73,7 +74,11 @@ def main(argv=None):
         action="store_true",
         help="only: the default plan vs session 9's (2 x SMs, 3 stages)",
     )
+    ap.add_argument("--cfg", default="{}", help="JSON: DSA cfg keys added at every point")
     args = ap.parse_args(argv)
+    extra = json.loads(args.cfg)  # parsed before any GPU work
+    if not isinstance(extra, dict):
+        raise ValueError(f"--cfg must be a JSON object, got {args.cfg!r}")
     if args.ab:
         return ab(args)
     torch.manual_seed(0)
@@ -82,16 +87,23 @@ def main(argv=None):
     for b, s, t, layer, seqlens, sets in _cases(args.cases, T):
         rows.append(dict(B=b, S=s, plan="default", us=_time(layer, seqlens, t, sets)))
         print(rows[-1], flush=True)
+        if extra:  # the default plan and config plus --cfg
+            cfg0 = dsa_decode.decode_config
+            with _plan(None, lambda *a, cfg0=cfg0: dict(cfg0(*a), **extra)):
+                rows.append(dict(B=b, S=s, plan="default", **extra,
+                                 us=_time(layer, seqlens, t, sets)))  # fmt: skip
+            print(rows[-1], flush=True)
         for splits in (8, 16, 33, 66, 127):
             for stages, warps in ((2, 4), (3, 4), (4, 4), (3, 8)):
                 plan = functools.partial(_fixed_splits, plan0, splits)
-                cfg = functools.partial(_fixed_config, stages, warps)
+                cfg = functools.partial(_fixed_config, stages, warps, extra)
                 try:
                     with _plan(plan, cfg):
                         us = _time(layer, seqlens, t, sets)
                 except Exception as exc:  # pragma: no cover - e.g. out of shared memory
                     us = f"{type(exc).__name__}"
-                rows.append(dict(B=b, S=s, splits=splits, stages=stages, warps=warps, us=us))
+                rows.append(dict(B=b, S=s, splits=splits, stages=stages, warps=warps, **extra,
+                                 us=us))  # fmt: skip
                 print(rows[-1], flush=True)
     _save(args, "tune_dsa.json", rows)
 
@@ -100,8 +112,8 @@ def _fixed_splits(plan0, splits, *args):
     return plan0(*args[:6], splits)
 
 
-def _fixed_config(stages, warps, *args):
-    return dict(BLOCK_N=32, num_warps=warps, num_stages=stages)
+def _fixed_config(stages, warps, extra, *args):
+    return dict(BLOCK_N=32, num_warps=warps, num_stages=stages, **extra)
 
 
 def ab(args):
