@@ -365,16 +365,25 @@ _VARIANTS = {
 
 # A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
 # bf16 activations; BLOCK_N 32 capped at 168 registers: 3 programs per SM, the split plan at
-# one wave of them; 1 stage, 3 for splits of >= 8 tiles, both without spills):
+# one wave of them; 1 stage without spills, and for splits of >= 8 tiles 3 stages with the
+# index entries one tile ahead, LONG_SPLIT_PREFETCH, since session 34: 8 bytes of stack):
 # - prev: the uncapped build (209 registers, 2 per SM) with the plan's 4 per SM (<= 16 (row,
 #   KV head) pairs) and 2 stages, the default until session 23;
-# - s2 / s3 / s1: 2, 3 or 1 stages for every split at the cap (loop ~1000 instructions with 10
-#   LDL + 5 STL / 1072 / 727).
+# - long_plain: long splits at 3 stages without PREFETCH (the default of sessions 23-33);
+# - s2 / s3 / s1: 2, 3 or 1 stages for every split at the cap, without PREFETCH (loop ~1000
+#   instructions with 10 LDL + 5 STL / 1072 / 727).
 _CACHE_VARIANTS = {
-    "prev": dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None, num_stages=2),
-    "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None),
-    "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None),
-    "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None),
+    "prev": dict(
+        maxnreg=None,
+        SM_PROGRAMS=None,
+        LONG_SPLIT_STAGES=None,
+        num_stages=2,
+        LONG_SPLIT_PREFETCH=False,
+    ),
+    "long_plain": dict(LONG_SPLIT_PREFETCH=False),
+    "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
+    "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
+    "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
     # PREFETCH without the register cap (at 168: 8 bytes of stack, loop 1030 instructions;
     # uncapped 202 registers, 2 programs per SM)
     "prefetch_uncapped": dict(PREFETCH=True, maxnreg=None, SM_PROGRAMS=2),

@@ -714,6 +714,35 @@ def test_dsa_prefetch_is_bitwise_the_tile_loop(dtype, cache_dtype, per_channel, 
 
 
 @interpret
+@pytest.mark.parametrize("splits,long", [(1, True), (3, False)])
+def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypatch):
+    """``LONG_SPLIT_PREFETCH`` (the int8 default) launches ``PREFETCH`` (at least
+    PREFETCH_STAGES stages) for splits of >= LONG_SPLIT_TILES tiles only (2 here: one split of
+    the 40 candidates holds 3 interpreter tiles, three splits hold 1 each), and the int8
+    output and caches equal the loop without it bit for bit; a non-bool is a ValueError."""
+    seen = []
+    real = decode.dsa_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append((kw.get("PREFETCH", False), kw["num_stages"]))
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(decode, "dsa_split_kernel", Spy())
+    monkeypatch.setattr(decode, "LONG_SPLIT_TILES", 2)
+    kw = build(44 + splits, h=32, m=40, s=2, cache_dtype=torch.int8, per_channel=True)
+    _assert_variant_matches(kw, "dsa triton long-split prefetch", splits, exact=True,
+                            LONG_SPLIT_PREFETCH=True)  # fmt: skip
+    assert seen[0] == (False, 1), seen  # the base call: the interpreter config
+    assert seen[1] == ((True, decode.PREFETCH_STAGES) if long else (False, 1)), seen
+    with pytest.raises(ValueError, match=r"cfg\['LONG_SPLIT_PREFETCH'\] must be a bool"):
+        _run_with_splits(_clone(kw), splits, LONG_SPLIT_PREFETCH=1)
+
+
+@interpret
 @pytest.mark.parametrize("first", [False, True])
 def test_dsa_early_cnt_default_and_checked(first, monkeypatch):
     """``EARLY_CNT`` defaults to on unless the rows are a first prompt's; a non-bool is a
@@ -763,12 +792,15 @@ def test_dsa_long_split_stages_checked(bad, monkeypatch):
 
 def test_stages_for_chunk():
     """Splits of >= LONG_SPLIT_TILES tiles take LONG_SPLIT_STAGES; shorter ones (and None)
-    keep the config's stages; the int8 default asks for 3 (bf16: no change)."""
+    keep the config's stages; the int8 default asks for 3 and PREFETCH there (bf16: no
+    change)."""
     tiles = decode.LONG_SPLIT_TILES
     assert decode.stages_for_chunk(2, 3, tiles * 32, 32) == 3
     assert decode.stages_for_chunk(2, 3, tiles * 32 - 32, 32) == 2
     assert decode.stages_for_chunk(2, None, 100 * 32, 32) == 2
     assert decode.decode_config(256, torch.float16, torch.int8, False)["LONG_SPLIT_STAGES"] == 3
+    assert decode.decode_config(128, torch.float16, torch.int8, False)["LONG_SPLIT_PREFETCH"]
+    assert decode.is_long_split(tiles * 32, 32) and not decode.is_long_split(tiles * 32 - 1, 32)
     assert "LONG_SPLIT_STAGES" not in decode.decode_config(256, torch.bfloat16, torch.bfloat16,
                                                            False)  # fmt: skip
 
@@ -1084,10 +1116,17 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(maxnreg=None, SM_PROGRAMS=None, LONG_SPLIT_STAGES=None, num_stages=2),  # old
-        dict(num_stages=2, LONG_SPLIT_STAGES=None),
-        dict(num_stages=3, LONG_SPLIT_STAGES=None),
-        dict(num_stages=1, LONG_SPLIT_STAGES=None),
+        dict(
+            maxnreg=None,
+            SM_PROGRAMS=None,
+            LONG_SPLIT_STAGES=None,
+            num_stages=2,
+            LONG_SPLIT_PREFETCH=False,
+        ),  # fmt: skip  # session 22
+        dict(LONG_SPLIT_PREFETCH=False),  # sessions 23-33
+        dict(num_stages=2, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
+        dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
+        dict(num_stages=1, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
     ],
 )

@@ -567,21 +567,33 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # 1 / 2 / 3 in us): B=1 S=1 (3 tiles per split) 26.4 / 27.3 / 26.9-29.9, B=4 S=1 (11)
         # 53.4 / 54.4 / 52.1, B=1 S=8 (29) 110.9 / 106.7 / 101.6, B=4 S=8 (86) 312.2 / 287.4
         # / 270.3. So 1 stage, and 3 for splits of >= 8 tiles (LONG_SPLIT_STAGES).
-        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3)
+        # Those long splits also load their index entries one tile ahead (PREFETCH, see
+        # _attend_tiles). H100, same process, two runs, us, 3 stages without -> with
+        # (sparse_cache_prefetch_session34_h100.json): B=4 S=1 (11 tiles) 56.8 / 56.0 ->
+        # 49.4 / 48.9, B=1 S=8 (29) 114.1 / 115.3 -> 98.2 / 96.2, B=4 S=8 (86) 309.8 / 307.8
+        # -> 258.1 / 258.3; the 3-tile splits of B=1 S=1 gained nothing (26.5 / 26.8 -> 28.0
+        # / 26.9). Not yet timed on an H200.
+        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True)
         if head > 128:
             cfg["num_stages"] = 1
     return cfg
 
 
 PREFETCH_STAGES = 3  # least pipeline depth of a PREFETCH launch (2 K/V tiles in shared memory)
-LONG_SPLIT_TILES = 8  # a split of at least this many BLOCK_N tiles takes LONG_SPLIT_STAGES
+LONG_SPLIT_TILES = 8  # a split of at least this many BLOCK_N tiles is a long one
+
+
+def is_long_split(chunk: int, block_n: int) -> bool:
+    """Whether splits of ``chunk`` candidates hold at least LONG_SPLIT_TILES tiles (they take
+    the config's ``LONG_SPLIT_STAGES`` and ``LONG_SPLIT_PREFETCH``)."""
+    return chunk >= LONG_SPLIT_TILES * block_n
 
 
 def stages_for_chunk(num_stages: int, long_split_stages, chunk: int, block_n: int) -> int:
     """The split kernel's pipeline depth for splits of ``chunk`` candidates: the config's
-    ``LONG_SPLIT_STAGES`` (a positive int; None: no change) for splits of at least
-    LONG_SPLIT_TILES tiles, else ``num_stages``."""
-    if long_split_stages is None or chunk < LONG_SPLIT_TILES * block_n:
+    ``LONG_SPLIT_STAGES`` (a positive int; None: no change) for long splits
+    (``is_long_split``), else ``num_stages``."""
+    if long_split_stages is None or not is_long_split(chunk, block_n):
         return num_stages
     return long_split_stages
 
@@ -722,7 +734,9 @@ def dsa_triton(
     ``SM_PROGRAMS`` (a positive int): the split plan's wave cap (see ``plan_splits``).
     ``LONG_SPLIT_STAGES``: the pipeline depth of long splits (see ``stages_for_chunk``).
     ``PREFETCH`` (bool, off): the split loop loads each tile's index entries one step ahead
-    (see ``_attend_tiles``; launched with at least PREFETCH_STAGES stages).
+    (see ``_attend_tiles``; launched with at least PREFETCH_STAGES stages);
+    ``LONG_SPLIT_PREFETCH`` (bool; on for int8 caches): the same for long splits only
+    (``is_long_split``).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -745,6 +759,8 @@ def dsa_triton(
     cfg["EARLY_CNT"] = cfg_flag(cfg, "EARLY_CNT", not p.is_first_prompt)
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
+    long_prefetch = cfg_flag(cfg, "LONG_SPLIT_PREFETCH", False, what="DSA cfg")
+    cfg.pop("LONG_SPLIT_PREFETCH", None)  # host-side: decides PREFETCH below
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
     q_scale = None
     if fuse:
@@ -769,6 +785,8 @@ def dsa_triton(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
     cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
+    if long_prefetch and is_long_split(chunk, cfg["BLOCK_N"]):
+        cfg["PREFETCH"] = True
     if cfg_flag(cfg, "PREFETCH", False, what="DSA cfg"):  # K/V tiles multi-buffered
         cfg["num_stages"] = max(cfg["num_stages"], PREFETCH_STAGES)
     splits = win_splits + sel_splits
