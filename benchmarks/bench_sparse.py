@@ -290,6 +290,8 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
         _triton_utils.PDL_EARLY_TRIGGER = trigger
     select = dict(select or {})
     warps = select.pop("num_warps", None)  # the select launch's warps (select_num_warps)
+    orig_rows = sel_mod.TILE_MAX_ROWS  # launches whose default floor takes tile maxima
+    sel_mod.TILE_MAX_ROWS = select.pop("TILE_MAX_ROWS", orig_rows)
     dsa_decode.decode_config = lambda *a: dict(orig_cfg(*a), **(dsa or {}))
     sel_mod.SELECT_DEFAULTS = dict(orig_sel, **select)
     if warps:
@@ -299,6 +301,7 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
     finally:
         dsa_decode.decode_config, sel_mod.SELECT_DEFAULTS = orig_cfg, orig_sel
         sel_mod.select_num_warps = orig_warps
+        sel_mod.TILE_MAX_ROWS = orig_rows
         _triton_merge.MERGE_EARLY_O = orig_merge
         _triton_merge.MERGE_ONE_WARP_FROM = orig_one_warp
         _triton_utils.PDL_EARLY_TRIGGER = orig_trigger
@@ -331,6 +334,8 @@ def _variant(dsa=None, select=None, merge_early_o=None, trigger=None, merge_one_
 #   floor from one [R, C] view of the row (RANK_FLOOR "cross", untimed); rank_groups: the
 #   session-31 floor (the k-th of 2 * KB_PAD strided group maxima, reduced in the select)
 #   instead of the tile maxima (RANK_FLOOR "tiles" by default since session 32);
+#   tiles_any_rows: the tile maxima also for launches of more than select.TILE_MAX_ROWS rows
+#   (B * S; the default there since session 34 is the groups floor);
 # - prefetch: the DSA split loop's index entries loaded one step ahead (PREFETCH, launched
 #   with >= 3 stages), so that triton 3.6's pipeliner double-buffers the K/V gathers (sm_90
 #   ttgir: 2 x [32, 256] tiles, async_wait num 2; the default loop gets one buffer and waits
@@ -357,6 +362,7 @@ _VARIANTS = {
     "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
+    "tiles_any_rows": (None, dict(TILE_MAX_ROWS=MERGE_NEVER)),
     "prefetch": (dict(PREFETCH=True), None),
     "prefetch_w2": (dict(PREFETCH=True, SM_PROGRAMS=2), None),
     "again": (None, None),

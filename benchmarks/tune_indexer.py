@@ -69,7 +69,7 @@ def _select(scored, seqlens, s, nb, cfg=None, budget=BUDGET, **kw):
     """The select launch over ``scored = (scores, tile maxima)``; the tile maxima go in when
     the launch would ask the score kernel for them (``select.wants_tile_max``)."""
     sc, tmax = scored
-    if not sl.wants_tile_max(nb, budget, R, cfg):
+    if not sl.wants_tile_max(nb, budget, R, cfg, rows=seqlens.shape[0] * s):
         tmax = None
     return sl.indexer_select(sc, seqlens, seq_len=s, num_blocks=nb, compress_ratio=R,
                              token_budget=budget, is_first_prompt=False, cfg=cfg, tile_max=tmax,
@@ -132,8 +132,9 @@ def sweep(b, s, t, rows, kernels=("score", "select"), budget=BUDGET, select_grid
 
 def score_tiles(b, s, t, rows, budget=BUDGET, rounds=2):
     """The default score launch with and without the tile maxima the select's rank floor takes
-    (``tile_max = select.wants_tile_max(...)`` vs 0), interleaved ``rounds`` times; the
-    scores must be equal. A row with ``tile_max`` 0 (the select takes no maxima) is skipped."""
+    (``tile_max = select.wants_tile_max(...)`` vs 0; asked for at every row count, also
+    above ``select.TILE_MAX_ROWS``), interleaved ``rounds`` times; the scores must be equal.
+    A row with ``tile_max`` 0 (the select takes no maxima) is skipped."""
     seqlens, layers = _layers(b, s, t)
     nb = layers[0][1].shape[1]
     want = sl.wants_tile_max(nb, budget, R)

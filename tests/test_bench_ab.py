@@ -120,6 +120,20 @@ def test_sparse_select_warp_variants_reach_the_select_launch():
     assert warps() == default == 8
 
 
+def test_tiles_any_rows_variant_reaches_wants_tile_max():
+    """bench_sparse's tiles_any_rows variant asks for the tile maxima above
+    ``select.TILE_MAX_ROWS`` rows (and only inside the variant); the select's cfg keeps no
+    such key."""
+    from longattn.sparse.triton import select as sel_mod
+
+    rows = sel_mod.TILE_MAX_ROWS + 1
+    assert sel_mod.wants_tile_max(4096, 2048, 64, rows=rows) == 0
+    with bench_sparse._variant(*bench_sparse._VARIANTS["tiles_any_rows"]):
+        assert sel_mod.wants_tile_max(4096, 2048, 64, rows=rows) == 64
+        assert "TILE_MAX_ROWS" not in sel_mod.SELECT_DEFAULTS
+    assert sel_mod.wants_tile_max(4096, 2048, 64, rows=rows) == 0
+
+
 def test_layer_late_variant_reaches_the_launches():
     """The "late" variant turns the session-28 defaults off (select EARLY_SCORES, DSA
     EARLY_CNT, MERGE_EARLY_O, PDL_EARLY_TRIGGER) and restores them afterwards."""

@@ -273,11 +273,32 @@ def test_score_kernel_tile_maxima(first):
 
 
 @interpret
+def test_scores_for_select_asks_by_row_count(monkeypatch):
+    """``scores_for_select`` asks ``wants_tile_max`` with the launch's B * S rows (the default
+    floor takes no tile maxima above ``TILE_MAX_ROWS`` rows) and launches accordingly."""
+    iq, keys, sk = _int_case(4, b=3, s=4, ni=2, di=16, nb=37, seqlens=[150, 2, 90])
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw["rows"])
+        return 3 if kw["rows"] <= 12 else 0
+
+    monkeypatch.setattr(indexer, "wants_tile_max", spy)
+    kw = dict(num_index_heads=2, compress_ratio=4, token_budget=16, scale=0.5,
+              is_first_prompt=False)  # fmt: skip
+    scores, tmax = indexer.scores_for_select(iq, keys, sk, **kw)
+    assert seen == [12] and tmax is not None and tmax.shape[0] == 12
+    _, tmax = indexer.scores_for_select(iq[:, :1].repeat(1, 5, 1), keys, sk, **kw)
+    assert seen == [12, 15] and tmax is None
+
+
+@interpret
 def test_select_tile_max_argument():
     """``tile_max`` must be ``[rows, n_tiles]`` int32 with a contiguous last dim; the rank
     method takes it (``RANK_TILES``) when ``tiles_usable``, else keeps its groups floor (and
     by default runs at 2048 blocks only with tiles); the score launch is asked for tiles where
-    the select may take them (``wants_tile_max``: the least usable count, else 0); an
+    the select may take them (``wants_tile_max``: the least usable count, else 0, also for
+    launches of more than ``TILE_MAX_ROWS`` rows unless the cfg asks for "tiles"); an
     explicit ``RANK_FLOOR`` "tiles" without usable tiles is an error naming the count."""
     kw = dict(seq_len=1, num_blocks=1100, compress_ratio=16, token_budget=64,
               is_first_prompt=False)  # fmt: skip
@@ -308,6 +329,9 @@ def test_select_tile_max_argument():
     assert want(4096, 8192, 64) == 0  # KB_PAD 128: radix steps
     assert want(4096, 32, 64) == 0 and want(0, 2048, 64) == 0  # no block to choose
     assert want(1000, 2048, 64) == 0  # tl.topk rows
+    rows = select.TILE_MAX_ROWS
+    assert want(4096, 2048, 64, rows=rows) == 64 and want(4096, 2048, 64, rows=rows + 1) == 0
+    assert want(4096, 2048, 64, cfg=dict(RANK_FLOOR="tiles"), rows=rows + 1) == 64
 
 
 @interpret

@@ -330,7 +330,8 @@ def scores_for_select(index_query, index_block_keys, seqlens_k, *, num_index_hea
     return indexer_scores_and_tiles(
         index_query, index_block_keys, seqlens_k, num_index_heads=num_index_heads,
         compress_ratio=compress_ratio, scale=scale, is_first_prompt=is_first_prompt, cfg=cfg,
-        tile_max=wants_tile_max(nb, token_budget, compress_ratio),
+        tile_max=wants_tile_max(nb, token_budget, compress_ratio,
+                                rows=index_query.shape[0] * index_query.shape[1]),
     )  # fmt: skip
 
 

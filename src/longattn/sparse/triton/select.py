@@ -708,12 +708,22 @@ def select_pads(num_blocks: int, kb: int) -> tuple[int, int]:
     return nb_pad, min(max(2, next_pow2(kb)), nb_pad)
 
 
+# The default floor takes the score launch's tile maxima for launches of at most this many
+# rows (B * S). H100, same process (session 34, T=256K, 4096 blocks): the maxima cost the score
+# launch +0.1 us at B=1 S=1, +1.15 at B=1 S=8 (8 rows) and +4.4 at B=4 S=8 (32 rows;
+# score_tiles_session34_h100.json); the layer op with them vs the groups floor: 16.88 vs
+# 18.11 us (B=1 S=1), 43.73 vs 45.54 (B=1 S=8), 29.64 vs 30.81 (B=4 S=1), but 125.95 vs
+# 121.57 (B=4 S=8; sparse_layer_floors_session34_h100.json).
+TILE_MAX_ROWS = 8
+
+
 def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
-                   cfg: dict | None = None) -> int:  # fmt: skip
-    """The ``tile_max`` argument of the score launch (``indexer_scores_and_tiles``) whose
-    select may take the tile maxima as its floor: the least tile count it would use (``2 *
-    KB_PAD``), or 0 when the rank method with that floor cannot apply (by ``cfg``, the row
-    width, the budget)."""
+                   cfg: dict | None = None, rows: int = 1) -> int:  # fmt: skip
+    """The ``tile_max`` argument of the score launch (``indexer_scores_and_tiles``) of
+    ``rows`` (B * S) rows whose select may take the tile maxima as its floor: the least tile
+    count it would use (``2 * KB_PAD``), or 0 when the rank method with that floor cannot
+    apply (by ``cfg``, the row width, the budget) or, with the default floor (``RANK_FLOOR``
+    None), for more than ``TILE_MAX_ROWS`` rows."""
     kb = token_budget // compress_ratio
     nb_pad, kb_pad = select_pads(num_blocks, kb)
     tune = select_config(cfg, nb_pad, interpret=False)
@@ -722,6 +732,7 @@ def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
         or num_blocks == 0
         or nb_pad > MAX_BLOCKS
         or tune["RANK_FLOOR"] not in (None, "tiles")
+        or (tune["RANK_FLOOR"] is None and rows > TILE_MAX_ROWS)
     ):
         return 0
     return 2 * kb_pad if _rank_on(tune, nb_pad <= TOPK_MAX_BLOCKS, kb_pad, nb_pad, True) else 0
