@@ -380,6 +380,25 @@ def decode(rows, best, copy_tbs):
             torch.cuda.empty_cache()
 
 
+# The cache section's int8 tile sweep (B=8, T=128K), against the default (BLOCK_N 128, 4
+# warps, 3 stages: 255 registers, 2 CTAs per SM, an issue-bound loop of ~1014 instructions per
+# 128 keys in sm_90 SASS). The last two cap BLOCK_N 64 at 168 registers (session 34, SASS
+# only: no spills in the loops, 24 bytes of stack outside them, 717 / 576 instructions per
+# 64-key masked / unmasked tile): 3 CTAs per SM (12 warps instead of 8) to raise the issue
+# rate of a loop that runs near one instruction per cycle per scheduler only with enough
+# warps. Untimed; the H200 is where int8 misses the issue's 1.7x (1.44-1.52x), H100 BLOCK_N 64
+# / 4 stages uncapped: 722 vs 732 us (gqa_decode_cache_session34_h100.json).
+INT8_TILE_SWEEP = [
+    dict(BLOCK_N=64, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=256, num_warps=8, num_stages=2),
+    dict(BLOCK_N=64, num_warps=4, num_stages=4, maxnreg=168),
+    dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=168),
+]
+
+
 def cache_dtypes(rows, copy_tbs):
     for b in (1, 8, 32):
         t = 131072
@@ -402,8 +421,7 @@ def cache_dtypes(rows, copy_tbs):
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes
-                for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 4, 3), (256, 8, 2)):
-                    cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                for cfg in INT8_TILE_SWEEP:
                     us = _graph_time_or_none(_decode_fn(p, cfg), sets)
                     gbs = nbytes / (us * 1e-6) / 1e9 if us else None
                     rows.append(dict(section="tune-int8", B=b, T=t, cfg=str(cfg), graph_us=us,

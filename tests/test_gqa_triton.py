@@ -817,6 +817,21 @@ def test_decode_fused_prologue_gpu(name, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
+                                  "decode-int8-h128-b17-balanced"])  # fmt: skip
+@pytest.mark.parametrize("stages", [3, 4])
+def test_decode_int8_capped_small_tiles_gpu(name, stages, device, monkeypatch):
+    """The int8 split kernel in BLOCK_N 64 tiles capped at 168 registers (bench_gqa's
+    INT8_TILE_SWEEP, 3 CTAs per SM): fp64 tolerance, the reference's caches, within two
+    output roundings of the default config."""
+    c = GPU_CASES[name]
+    base = _run_and_check(c, device)
+    _decode_cfg_with(monkeypatch, BLOCK_N=64, num_stages=stages, maxnreg=168)
+    got = _run_and_check(c, device)
+    _assert_within_two_roundings_16bit(got, base)
+
+
+@pytest.mark.gpu
 def test_int8_b17_default_takes_the_balanced_grid_gpu(device, monkeypatch):
     """The default int8 plan at B=17, KV=8 on an H100/H200 (132 SMs) is the balanced grid."""
     if launch.device_sms(torch.empty(1, device=device)) != 132:

@@ -320,6 +320,23 @@ def test_merge_one_warp_tiles_keep_the_split_reductions_in_the_warp():
         assert one["stack"] == 0
 
 
+def test_gqa_int8_small_tiles_fit_three_ctas_without_loop_spills():
+    """bench_gqa's capped int8 decode tiles (BLOCK_N 64, 4 warps, 168 registers; fused
+    prologue with QK-norm and rotary, as the default runs at H=128): 3 CTAs per SM by
+    registers and shared memory, no local loads or stores in the tile loops (24 bytes of
+    stack outside them)."""
+    flags = (
+        "BLOCK_N=64,FUSE_PROLOGUE=True,HAS_ROTARY=True,ROT_DIM=128,HAS_QNORM=True,HAS_KNORM=True"
+    )
+    for stages in (3, 4):
+        res = _sass("gqa-decode", "--cache", "i8", "--warps", "4", "--stages", str(stages),
+                    "--maxnreg", "168", "--set", flags)  # fmt: skip
+        assert 3 * res["regs"] * 128 <= 65536 and 3 * res["shared"] <= 227 * 1024, res["regs"]
+        assert res["stack"] <= 32, res["stack"]
+        for loop in res["loops"]:
+            assert loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0, loop
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register
