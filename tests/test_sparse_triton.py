@@ -713,6 +713,24 @@ def test_dsa_prefetch_is_bitwise_the_tile_loop(dtype, cache_dtype, per_channel, 
         _run_with_splits(_clone(kw), splits, PREFETCH=1)
 
 
+def _spy_split_launches(monkeypatch, pick) -> list:
+    """A list that gets ``pick(launch keywords)`` of every ``dsa_split_kernel`` launch (the
+    launches still run)."""
+    seen = []
+    real = decode.dsa_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append(pick(kw))
+                return real[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(decode, "dsa_split_kernel", Spy())
+    return seen
+
+
 @interpret
 @pytest.mark.parametrize("splits,long", [(1, True), (3, False)])
 def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypatch):
@@ -720,18 +738,8 @@ def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypa
     PREFETCH_STAGES stages) for splits of >= LONG_SPLIT_TILES tiles only (2 here: one split of
     the 40 candidates holds 3 interpreter tiles, three splits hold 1 each), and the int8
     output and caches equal the loop without it bit for bit; a non-bool is a ValueError."""
-    seen = []
-    real = decode.dsa_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append((kw.get("PREFETCH", False), kw["num_stages"]))
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(decode, "dsa_split_kernel", Spy())
+    seen = _spy_split_launches(monkeypatch, lambda kw: (kw.get("PREFETCH", False),
+                                                       kw["num_stages"]))  # fmt: skip
     monkeypatch.setattr(decode, "LONG_SPLIT_TILES", 2)
     kw = build(44 + splits, h=32, m=40, s=2, cache_dtype=torch.int8, per_channel=True)
     _assert_variant_matches(kw, "dsa triton long-split prefetch", splits, exact=True,
@@ -747,18 +755,7 @@ def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypa
 def test_dsa_early_cnt_default_and_checked(first, monkeypatch):
     """``EARLY_CNT`` defaults to on unless the rows are a first prompt's; a non-bool is a
     ValueError naming the key."""
-    seen = []
-    real = decode.dsa_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(**kw):
-                seen.append(kw["EARLY_CNT"])
-                return real[grid](**kw)
-
-            return launch
-
-    monkeypatch.setattr(decode, "dsa_split_kernel", Spy())
+    seen = _spy_split_launches(monkeypatch, lambda kw: kw["EARLY_CNT"])
     kw = build(43, h=32, s=3, first_prompt=first)
     _run_with_splits(kw, None)
     assert seen == [not first]
@@ -775,18 +772,26 @@ def test_dsa_sm_programs_checked(bad):
     _run_with_splits(build(42, h=32), None, SM_PROGRAMS=1)  # one program per SM: runs
 
 
+_HOST_CFG_CHECKS = [
+    *[("LONG_SPLIT_STAGES", bad, 3, "a positive int") for bad in (0, -1, 2.0, True)],
+    ("PREFETCH", 1, True, "a bool"),
+    ("LONG_SPLIT_PREFETCH", "yes", True, "a bool"),
+]
+
+
 @interpret
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_dsa_long_split_stages_checked(bad, monkeypatch):
-    """LONG_SPLIT_STAGES must be a positive int, checked before the prologue appends to the
-    cache (an error must leave the caches as they were)."""
+@pytest.mark.parametrize("key,bad,good,kind", _HOST_CFG_CHECKS)
+def test_dsa_host_cfg_checked_before_the_prologue(key, bad, good, kind, monkeypatch):
+    """LONG_SPLIT_STAGES must be a positive int, PREFETCH and LONG_SPLIT_PREFETCH bools,
+    checked before the prologue appends to the cache (an error must leave the caches as they
+    were)."""
     calls = []
     orig = decode.run_prologue
     monkeypatch.setattr(decode, "run_prologue", lambda *a, **k: calls.append(1) or orig(*a, **k))
-    with pytest.raises(ValueError, match=r"cfg\['LONG_SPLIT_STAGES'\] must be a positive int"):
-        _run_with_splits(build(43, h=32), None, LONG_SPLIT_STAGES=bad)
+    with pytest.raises(ValueError, match=rf"cfg\['{key}'\] must be {kind}"):
+        _run_with_splits(build(43, h=32), None, **{key: bad})
     assert calls == [], "the prologue ran before the config was checked"
-    _run_with_splits(build(43, h=32), None, LONG_SPLIT_STAGES=3)
+    _run_with_splits(build(43, h=32), None, **{key: good})
     assert calls == [1]
 
 

@@ -759,6 +759,8 @@ def dsa_triton(
     cfg["EARLY_CNT"] = cfg_flag(cfg, "EARLY_CNT", not p.is_first_prompt)
     sm_programs = _pop_positive_int(cfg, "SM_PROGRAMS")  # the split plan's wave cap
     long_stages = _pop_positive_int(cfg, "LONG_SPLIT_STAGES")  # see stages_for_chunk
+    # checked here, before the prologue appends to the caches (a bad cfg leaves them as they were)
+    prefetch = cfg_flag(cfg, "PREFETCH", False, what="DSA cfg")
     long_prefetch = cfg_flag(cfg, "LONG_SPLIT_PREFETCH", False, what="DSA cfg")
     cfg.pop("LONG_SPLIT_PREFETCH", None)  # host-side: decides PREFETCH below
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
@@ -785,9 +787,8 @@ def dsa_triton(
         rows, kv, window, m_sel, cfg["BLOCK_N"], _num_sms(dev_index), num_splits, sm_programs
     )
     cfg["num_stages"] = stages_for_chunk(cfg["num_stages"], long_stages, chunk, cfg["BLOCK_N"])
-    if long_prefetch and is_long_split(chunk, cfg["BLOCK_N"]):
-        cfg["PREFETCH"] = True
-    if cfg_flag(cfg, "PREFETCH", False, what="DSA cfg"):  # K/V tiles multi-buffered
+    if prefetch or (long_prefetch and is_long_split(chunk, cfg["BLOCK_N"])):
+        cfg["PREFETCH"] = True  # K/V tiles multi-buffered
         cfg["num_stages"] = max(cfg["num_stages"], PREFETCH_STAGES)
     splits = win_splits + sel_splits
     o_part = _empty((rows, n, splits, h), dtype=torch.float32, device=dev)
