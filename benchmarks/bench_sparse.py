@@ -362,7 +362,7 @@ _VARIANTS = {
     "rank_cross": (None, dict(RANK_SELECT=True, RANK_FLOOR="cross")),
     "rank_groups": (None, dict(RANK_FLOOR="groups")),
     "rank_groups_all": (None, dict(RANK_SELECT=True, RANK_FLOOR="groups")),
-    "tiles_any_rows": (None, dict(TILE_MAX_ROWS=MERGE_NEVER)),
+    "tiles_any_rows": (None, dict(TILE_MAX_ROWS=1 << 30)),  # (a row count no launch reaches)
     "prefetch": (dict(PREFETCH=True), None),
     "prefetch_w2": (dict(PREFETCH=True, SM_PROGRAMS=2), None),
     "again": (None, None),

@@ -54,10 +54,15 @@ def _scored_layers(b, s, t):
     each ``(scores, tile maxima)`` (the score launch's ``tile_max``, which the select's rank
     method may take as its floor)."""
     seqlens, layers = _layers(b, s, t)
-    scored = [ix.indexer_scores_and_tiles(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
-                                          scale=DI**-0.5, is_first_prompt=False, tile_max=1)
-              for q, k in layers]  # fmt: skip
+    scored = [_scores_and_tiles(q, k, seqlens, 1) for q, k in layers]
     return seqlens, layers, layers[0][1].shape[1], scored
+
+
+def _scores_and_tiles(q, k, seqlens, tile_max):
+    """One default score launch (``indexer_scores_and_tiles``): ``(scores, tile maxima)``."""
+    return ix.indexer_scores_and_tiles(q, k, seqlens, num_index_heads=NI, compress_ratio=R,
+                                       scale=DI**-0.5, is_first_prompt=False,
+                                       tile_max=tile_max)  # fmt: skip
 
 
 def _scores(q, k, seqlens, cfg):
@@ -138,20 +143,8 @@ def score_tiles(b, s, t, rows, budget=BUDGET, rounds=2):
     seqlens, layers = _layers(b, s, t)
     nb = layers[0][1].shape[1]
     want = sl.wants_tile_max(nb, budget, R)
-
-    def launch(q, k, tm):
-        return ix.indexer_scores_and_tiles(
-            q,
-            k,
-            seqlens,
-            num_index_heads=NI,
-            compress_ratio=R,
-            scale=DI**-0.5,
-            is_first_prompt=False,
-            tile_max=tm,
-        )
-
-    plain, tiled = launch(*layers[0], 0), launch(*layers[0], want)
+    plain = _scores_and_tiles(*layers[0], seqlens, 0)
+    tiled = _scores_and_tiles(*layers[0], seqlens, want)
     if tiled[1] is None:
         print(f"score_tiles B={b} S={s} T={t}: no tile maxima (tile_max {want})", flush=True)
         return
@@ -160,8 +153,8 @@ def score_tiles(b, s, t, rows, budget=BUDGET, rounds=2):
                n_tiles=tiled[1].shape[1], same_scores=same, plain_us=[], tiles_us=[])  # fmt: skip
     for _ in range(rounds):
         for key, tm in (("plain_us", 0), ("tiles_us", want)):
-            us = graph_bench_chain([lambda q=q, k=k, tm=tm: launch(q, k, tm) for q, k in layers],
-                                   min_time_s=0.05)["median_us"]  # fmt: skip
+            fns = [functools.partial(_scores_and_tiles, q, k, seqlens, tm) for q, k in layers]
+            us = graph_bench_chain(fns, min_time_s=0.05)["median_us"]
             row[key].append(round(us, 2))
     rows.append(row)
     print(row, flush=True)
