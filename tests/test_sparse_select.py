@@ -322,7 +322,8 @@ def test_select_tile_max_argument():
             select.select_launch_args(sc, sk, tile_max=bad, cfg=over, **kw)
     want = select.wants_tile_max
     assert want(4096, 2048, 64) == 64 and want(2048, 2048, 64) == 64  # RANK_TILE_BLOCKS
-    assert want(1025, 1024, 64) == 32 and want(8192, 2048, 64) == 0  # 8192: untimed
+    assert want(1025, 1024, 64) == 32 and want(8192, 2048, 64) == 64  # RANK_DEFAULT_BLOCKS
+    assert want(16384, 2048, 64) == 64 and want(16385, 2048, 64) == 0  # beyond MAX_BLOCKS
     assert want(8192, 2048, 64, cfg=dict(RANK_SELECT=True)) == 64
     assert want(4096, 2048, 64, cfg=dict(RANK_FLOOR="groups")) == 0
     assert want(4096, 2048, 64, cfg=dict(RANK_SELECT=False)) == 0
@@ -405,7 +406,7 @@ def test_fallback_path_matches(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("t", [65536, 262144])
+@pytest.mark.parametrize("t", [65536, 262144, 1048512])  # 1048512: 16384 blocks (MAX_BLOCKS)
 @pytest.mark.parametrize("b,s", [(1, 1), (4, 1), (2, 8)])
 @pytest.mark.parametrize("budget", [2048, 8192])
 def test_gpu_select_real_sizes(t, b, s, budget, method):
@@ -557,7 +558,10 @@ def test_select_rank_geometry():
     geo = select.rank_geometry
     auto = dict(RANK_SELECT=None, RANK_CAP_MULT=2, RANK_FLOOR=None)
     on = dict(auto, RANK_SELECT=True)
-    assert select.RANK_DEFAULT_BLOCKS == (4096,) and select.SELECT_DEFAULTS["RANK_SELECT"] is None
+    assert (
+        select.RANK_DEFAULT_BLOCKS == (4096, 8192, 16384)
+        and select.SELECT_DEFAULTS["RANK_SELECT"] is None
+    )
     assert select.SELECT_DEFAULTS["RANK_FLOOR"] is None
     assert geo(auto, False, 32, 4096) == (64, 64, False, 0)
     assert geo(auto, False, 32, 4096, 128) == (64, 64, False, 128)  # the score launch's tiles
@@ -568,7 +572,8 @@ def test_select_rank_geometry():
     assert geo(dict(auto, RANK_FLOOR="groups"), False, 32, 4096, 128) == (64, 64, False, 0)
     with pytest.raises(ValueError, match="64 to 1024 tile maxima per row, got 0"):
         geo(dict(on, RANK_FLOOR="tiles"), False, 32, 4096)
-    assert geo(auto, False, 32, 16384) == (0, 0, False, 0)  # untimed at 8192 / 16384 blocks
+    assert geo(auto, False, 32, 16384) == (64, 64, False, 0)  # 8192 / 16384: H100 session 35
+    assert geo(auto, False, 32, 8192, 256) == (64, 64, False, 256)
     assert geo(auto, False, 32, 2048) == (0, 0, False, 0)  # lost at 2048 (H100, session 31)
     assert geo(auto, False, 32, 2048, 64) == (64, 64, False, 64)  # ... but not with tiles
     assert select.RANK_TILE_BLOCKS == (2048, 4096)

@@ -29,14 +29,15 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      ``== lo`` in ascending block order until k are chosen (a count and a rank); an inclusive
      cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
      per-row scratch row ``[kb]`` int32 (then a CTA barrier).
-   - rank (``RANK_SELECT``; by default rows of ``RANK_DEFAULT_BLOCKS`` (4096) blocks with a
-     budget of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
+   - rank (``RANK_SELECT``; by default rows of ``RANK_DEFAULT_BLOCKS`` (4096 to 16384)
+     blocks with a budget of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
      group maxima (a ``[G, G]`` rank, ``_rank_bounds``: ~1.3 k keys lie above it); when at most
      ``RANK_CAP`` keys do, they are compacted in block order through the scratch row
      (``_compact``: a cumsum, a scatter, a CTA barrier, one read), ranked by one ``[CAP, CAP]``
      comparison of distinct (key, place) pairs (``_desc_rank``), and the k of rank < k give
      their ids in registers (``_compact_ids``); rows of more candidates (ties) take the radix
-     steps from that floor. H100, 4096 blocks: the select alone 5.6 -> 5.2 us (B=1 S=1).
+     steps from that floor. H100, the select alone (B=1 S=1): 4096 blocks 5.6 -> 5.2 us,
+     8192 8.6 -> 6.1, 16384 14.5 -> 9.2.
      The floor's group maxima may come with the scores instead (``RANK_FLOOR`` "tiles", the
      default when the launch gets them, ``tile_max``): the score kernel's programs then take
      tiles of 8-block runs strided over the row and write each row's largest key per tile
@@ -597,9 +598,10 @@ SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=T
 # 2 * KB_PAD groups (sm_90, 4096 blocks, 128 tiles: 2712 instructions, 38 CTA barriers); ranked
 # as they are (RANK_TILE_FOLD off, a [128, 128] comparison: 3312 instructions, 33 barriers) lost
 # on the H100 (select 5.13 vs 3.98 us, layer op 18.36 vs 17.0-17.2 us at 256K): removed
-# RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost;
-# 8192 / 16384 (16 warps) are untimed and keep the radix steps until an A/B
-RANK_DEFAULT_BLOCKS = (4096,)
+# RANK_SELECT None: the row widths (NB_PAD) where the rank method was timed faster; 2048 lost.
+# 8192 / 16384 (16 warps; H100 session 35, select alone chained, groups floor, B=1 S=1, 512K /
+# 1M tokens: 8.64 -> 6.13 us / 14.52 -> 9.18; select_rank_wide_session35_h100.json)
+RANK_DEFAULT_BLOCKS = (4096, 8192, 16384)
 # ... and with the tiles floor (session 32, H100, select alone B=1 S=1 at 2048 blocks: 4.11-4.31
 # (radix steps) -> 3.45 us; layer op 16.68-16.87 -> 16.44 us, B=4 27.46-27.94 -> 27.18)
 RANK_TILE_BLOCKS = (2048, 4096)
