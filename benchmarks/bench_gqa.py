@@ -380,22 +380,21 @@ def decode(rows, best, copy_tbs):
             torch.cuda.empty_cache()
 
 
-# The cache section's int8 tile sweep (B=8, T=128K), against the default (BLOCK_N 128, 4
-# warps, 3 stages: 255 registers, 2 CTAs per SM, an issue-bound loop of ~1014 instructions per
-# 128 keys in sm_90 SASS). The last two cap BLOCK_N 64 at 168 registers (session 34, SASS
-# only: no spills in the loops, 24 bytes of stack outside them, 717 / 576 instructions per
-# 64-key masked / unmasked tile): 3 CTAs per SM (12 warps instead of 8) to raise the issue
-# rate of a loop that runs near one instruction per cycle per scheduler only with enough
-# warps. Untimed; the H200 is where int8 misses the issue's 1.7x (1.44-1.52x), H100 BLOCK_N 64
-# / 4 stages uncapped: 722 vs 732 us (gqa_decode_cache_session34_h100.json).
+# The cache section's int8 tile sweep (B=8, T=128K), against the default (WIDE_I8, BLOCK_N 128,
+# 4 warps, 3 stages; session 35, sm_90 SASS: 724 instructions per 128-key tile, 168 registers).
+# Before WIDE_I8 the loop was issue-bound at 255 registers (~1014-1023 instructions per 128
+# keys, V one shared byte-load per element, Q rebuilt by moves each tile); H100 session 35:
+# 732.4 us (128 / 3 stages), 721.8 (64 / 4 stages), 721.6 (64 capped at 168 registers:
+# gqa_cache_int8_capped_session35_h100.json). The H200 is where int8 missed the issue's 1.7x
+# (1.44-1.52x).
 INT8_TILE_SWEEP = [
+    dict(BLOCK_N=128, num_warps=4, num_stages=3),  # the default before WIDE_I8 (session 35)
     dict(BLOCK_N=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, num_warps=8, num_stages=3),
-    dict(BLOCK_N=256, num_warps=4, num_stages=3),
-    dict(BLOCK_N=256, num_warps=8, num_stages=2),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, maxnreg=168),
-    dict(BLOCK_N=64, num_warps=4, num_stages=3, maxnreg=168),
+    dict(BLOCK_N=128, num_warps=4, num_stages=2, WIDE_I8=True),
+    dict(BLOCK_N=64, num_warps=4, num_stages=4, WIDE_I8=True),
+    dict(BLOCK_N=64, num_warps=4, num_stages=3, WIDE_I8=True),
+    dict(BLOCK_N=128, num_warps=8, num_stages=3, WIDE_I8=True),
 ]
 
 

@@ -393,6 +393,51 @@ BALANCED_CASES = {
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("name", ["sink-window-softcap-int8", "group8-int8pc-splits2"])
+def test_decode_int8_wide_tiles_interpret(name, device, monkeypatch):
+    """``WIDE_I8`` (the int8 default: tiles read as int32 words and converted four channels per
+    word) against the per-byte path: both within the fp64 tolerance, within two output
+    roundings of each other. A wrong channel order of the words fails the first check."""
+    assert launch.decode_config(128, torch.float16, torch.int8, True)["WIDE_I8"] is True
+    wide = _run_and_check(DECODE_CASES[name], device)
+    _decode_cfg_with(monkeypatch, WIDE_I8=False)
+    plain = _run_and_check(DECODE_CASES[name], device)
+    _assert_within_two_roundings_16bit(wide, plain)
+
+
+def test_int8_words_gate():
+    """``WIDE_I8`` reads int32 words: the host keeps it only for caches whose base, strides
+    (sequence, head, row) and head size are multiples of 4 bytes; others take the per-byte
+    path (``run_decode``)."""
+    buf = torch.zeros(2 * 4 * 64 * 136 + 4, dtype=torch.int8)
+    cache = buf[:-4].view(2, 4, 64, 136)
+    assert launch.words_aligned(cache, cache[..., :128])  # a head slice: row stride 136
+    assert not launch.words_aligned(cache, buf[1:-3].view(2, 4, 64, 136))  # base 1 byte off
+    assert not launch.words_aligned(torch.zeros(2, 4, 64, 130, dtype=torch.int8)[..., :128])
+    assert not launch.words_aligned(torch.zeros(2, 4, 64, 66, dtype=torch.int8))  # head 66
+
+
+@pytest.mark.interpret
+def test_decode_int8_unaligned_cache_takes_the_byte_path(device, monkeypatch):
+    """An int8 cache whose rows are not 4-byte aligned (a view 1 byte into its storage) still
+    decodes right: ``run_decode`` turns ``WIDE_I8`` off for it."""
+    seen = []
+    orig = launch.words_aligned
+    monkeypatch.setattr(launch, "words_aligned", lambda *c: seen.append(orig(*c)) or seen[-1])
+    c = DECODE_CASES["sink-window-softcap-int8"]
+    real = nan_tensor
+
+    def shifted(shape, dtype, device):  # int8 caches 1 byte into their storage
+        if dtype != torch.int8:
+            return real(shape, dtype, device)
+        return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
+
+    monkeypatch.setitem(globals(), "nan_tensor", shifted)
+    _run_and_check(c, device)
+    assert seen and not any(seen), seen
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("programs", [None, 1, 5, 7])
 @pytest.mark.parametrize("name", list(BALANCED_CASES))
 def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
@@ -829,6 +874,19 @@ def test_decode_int8_capped_small_tiles_gpu(name, stages, device, monkeypatch):
     _decode_cfg_with(monkeypatch, BLOCK_N=64, num_stages=stages, maxnreg=168)
     got = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(got, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
+                                  "decode-int8-h128-b17-balanced"])  # fmt: skip
+def test_decode_int8_wide_tiles_gpu(name, device, monkeypatch):
+    """The int8 default (``WIDE_I8``: int32 words, four channels per PTX conversion) against
+    the per-byte path at real sizes: fp64 tolerance and within two output roundings."""
+    c = GPU_CASES[name]
+    wide = _run_and_check(c, device)
+    _decode_cfg_with(monkeypatch, WIDE_I8=False)
+    plain = _run_and_check(c, device)
+    _assert_within_two_roundings_16bit(wide, plain)
 
 
 @pytest.mark.gpu

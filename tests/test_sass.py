@@ -337,6 +337,28 @@ def test_gqa_int8_small_tiles_fit_three_ctas_without_loop_spills():
             assert loop.get("LDL", 0) == 0 and loop.get("STL", 0) == 0, loop
 
 
+def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
+    """``WIDE_I8`` (the int8 decode default): K and V read as int32 words, converted in a
+    blocked layout and stored as fp16, so both dots take ``ldmatrix`` operands at kWidth 2: no
+    per-byte shared loads of V, Q by ``LDSM`` (not rebuilt from 64-bit loads and register
+    moves), and the unmasked 128-key tile within 760 instructions (724 at session 35; 1023
+    without it) at <= 168 registers (255 without)."""
+    base = ("--cache", "i8", "--stages", "3", "--set", "BLOCK_N=128")
+    wide = _sass("gqa-decode", *base[:-1], "BLOCK_N=128,WIDE_I8=True")
+    old = _sass("gqa-decode", *base)
+    assert wide["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
+    assert wide["memory"].get("LDSM.16.MT88.4", 0) > 0  # V^T by ldmatrix.trans
+
+    def unmasked(res):
+        return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
+
+    w, o = unmasked(wide), unmasked(old)
+    assert w.get("HMMA", 0) == o.get("HMMA", 0) > 0
+    assert sum(w.values()) <= 760 < sum(o.values()), (sum(w.values()), sum(o.values()))
+    assert w.get("IMAD", 0) <= 60 < o.get("IMAD", 0), (w, o)  # no Q rebuild by moves
+    assert wide["regs"] <= 168 < old["regs"] and wide["stack"] == 0
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register

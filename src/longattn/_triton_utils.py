@@ -213,6 +213,66 @@ def int8x4_to_fp16(t):
 
 
 @triton.jit
+def _int8_byte_to_fp16(w, j):
+    """Byte ``j`` (0..3, little-endian: the int8 at address ``4 * c + j``) of int32 words ``w``
+    as an exact fp16 (the interpreter's ``int8_words_to_fp16``)."""
+    b = (w >> (8 * j)) & 0xFF  # [.., 2] int32 in 0..255
+    return (b - ((b >> 7) << 8)).to(tl.float16)  # two's complement: 128..255 -> -128..-1
+
+
+@triton.jit
+def _int8_words_to_fp16_pairs(w2):
+    """``(lo, hi)``, each ``[.., 2]`` fp16: bytes 0, 1 and 2, 3 of the int32 words ``w2 [.., 2]``
+    (``join(w, w)``: the asm reads the pair's first element), one ``int8x4_to_fp16`` per word:
+    its two packed halves become the two outputs' registers without an unpack."""
+    if _INTERPRET:
+        e = tl.arange(0, 2)  # [2]
+        return _int8_byte_to_fp16(w2, e), _int8_byte_to_fp16(w2, e + 2)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, c;
+        xor.b32 u, $2, 0x80808080;
+        mov.b32 c, 0x64806480;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        constraints="=r,=r,r,r",
+        args=[w2],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _dot_width_fence(x):
+    """Identity on 16-bit ``x`` as a non-pure asm (no instruction after ptxas): it ends the
+    backward walk in which Triton's MMAv2 lowering looks for the narrowest load feeding a dot
+    operand (``computeOrigBitWidth``: int8 loads, and any ``join``, give ``kWidth`` 4)."""
+    if _INTERPRET:
+        return x
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2
+    )
+
+
+@triton.jit
+def int8_words_to_fp16(w, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """An int8 cache tile read as int32 words ``w [ROWS, COLS // 4]`` -> the exact ``[ROWS,
+    COLS]`` fp16 tile in a plain blocked layout (4 channels per thread), so the 16-bit MMA
+    operand comes from shared memory by ``ldmatrix`` at ``kWidth`` 2 (``_dot_width_fence``).
+    The default int8 path (``cache_to_dot``) loads the operand layout straight from the int8
+    tile at ``kWidth`` 4, where V's bytes arrive one shared load each and Q is rebuilt from
+    64-bit loads and register moves every tile (sm_90 SASS of the GQA decode loop, BLOCK_N
+    128: 1023 -> ~730 instructions per tile)."""
+    lo, hi = _int8_words_to_fp16_pairs(tl.join(w, w))  # [ROWS, COLS // 4, 2] each
+    t = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [ROWS, COLS // 4, 2 (hi), 2 (pair)]
+    return _dot_width_fence(tl.reshape(t, (ROWS, COLS)))
+
+
+@triton.jit
 def cache_to_dot(t, DOT_DTYPE: tl.constexpr, KEYS: tl.constexpr):
     """A cache tile ``t`` converted to the dot operand dtype (int8 -> exact integers).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cache_to_dot
+from ..._triton_utils import cache_to_dot, int8_words_to_fp16
 
 LOG2E = 1.4426950408889634
 
@@ -189,14 +189,27 @@ def load_kv_tile(
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
     KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
+    WIDE_I8: tl.constexpr = False,  # int8 tile -> fp16 read as int32 words (see below)
 ):
     """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
 
     The tile's origin is one 64-bit scalar; the in-tile offsets are loop-invariant int32
     (``BLOCK_N * stride_row`` < 2**31: the host checks cache strides), which saves the
     per-element 64-bit address math of every tile. int8 reaches fp16 through the xor tricks of
-    ``_triton_utils.cache_to_dot``."""
+    ``_triton_utils.cache_to_dot``; with ``WIDE_I8`` (an int8 tile, an fp16 dot; the host
+    checks that the base and ``stride_row`` are multiples of 4 bytes) the tile is read as
+    int32 words and converted in a blocked layout (``_triton_utils.int8_words_to_fp16``)."""
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if WIDE_I8 and DOT_DTYPE == tl.float16 and base.dtype.element_ty == tl.int8:
+        HEAD: tl.constexpr = offs_d.shape[0]
+        origin = (base + start_n.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
+        words = tl.arange(0, HEAD // 4)  # [HEAD // 4]
+        w_ptrs = origin + (rows[:, None] * (stride_row // 4) + words[None, :])
+        if MASKED:
+            w = tl.load(w_ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs)  # [BLOCK_N, HEAD // 4] int32
+        return int8_words_to_fp16(w, BLOCK_N, HEAD)
     ptrs = (base + start_n.to(tl.int64) * stride_row) + (
         rows[:, None] * stride_row + offs_d[None, :]
     )
