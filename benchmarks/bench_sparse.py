@@ -371,28 +371,20 @@ _VARIANTS = {
 
 # A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
 # bf16 activations; BLOCK_N 32 capped at 168 registers: 3 programs per SM, the split plan at
-# one wave of them; 1 stage without spills, and for splits of >= 8 tiles 3 stages with the
-# index entries one tile ahead, LONG_SPLIT_PREFETCH, since session 34: 8 bytes of stack):
-# - prev: the uncapped build (209 registers, 2 per SM) with the plan's 4 per SM (<= 16 (row,
-#   KV head) pairs) and 2 stages, the default until session 23;
-# - long_plain: long splits at 3 stages without PREFETCH (the default of sessions 23-33);
-# - s2 / s3 / s1: 2, 3 or 1 stages for every split at the cap, without PREFETCH (loop ~1000
-#   instructions with 10 LDL + 5 STL / 1072 / 727).
+# one wave of them; 1 stage, and for splits of >= 8 tiles 3 stages with the index entries one
+# tile ahead, LONG_SPLIT_PREFETCH; since session 35 the rows read as int32 words, WIDE_I8:
+# sm_90 SASS 1-stage loop 726 -> 571 instructions, 127 registers):
+# - bytes: the per-byte build (WIDE_I8 off), the default of sessions 34 and before;
+# - bytes_long_plain: that build without PREFETCH on long splits (sessions 23-33);
+# - s3: 3 stages for every split, without PREFETCH;
+# - four_per_sm: 4 programs per SM (capped at 128 registers; the WIDE build needs 127).
+# (Older variants, "prev" (uncapped, 2 stages) and "s1" / "s2": sparse_cache_h100.json,
+# sparse_cache_prefetch_session34_h100.json.)
 _CACHE_VARIANTS = {
-    "prev": dict(
-        maxnreg=None,
-        SM_PROGRAMS=None,
-        LONG_SPLIT_STAGES=None,
-        num_stages=2,
-        LONG_SPLIT_PREFETCH=False,
-    ),
-    "long_plain": dict(LONG_SPLIT_PREFETCH=False),
-    "s2": dict(num_stages=2, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
+    "bytes": dict(WIDE_I8=False),
+    "bytes_long_plain": dict(WIDE_I8=False, LONG_SPLIT_PREFETCH=False),
     "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
-    "s1": dict(num_stages=1, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
-    # PREFETCH without the register cap (at 168: 8 bytes of stack, loop 1030 instructions;
-    # uncapped 202 registers, 2 programs per SM)
-    "prefetch_uncapped": dict(PREFETCH=True, maxnreg=None, SM_PROGRAMS=2),
+    "four_per_sm": dict(maxnreg=128, SM_PROGRAMS=4),
 }
 # ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's
 # variants; budget 8192 gives splits of several tiles)

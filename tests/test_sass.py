@@ -359,6 +359,19 @@ def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
     assert wide["regs"] <= 168 < old["regs"] and wide["stack"] == 0
 
 
+def test_dsa_int8_wide_rows_cut_the_tile_loop():
+    """``WIDE_I8`` (the int8 DSA default, H=256, BLOCK_N 32, 1 stage at 168 registers): the
+    gathered rows read as int32 words, V^T by ``ldmatrix.trans``, no per-byte shared loads;
+    the tile loop within 620 instructions (571 at session 35; 726 per byte)."""
+    args = ("dsa-decode", "--cache", "i8", "--stages", "1", "--maxnreg", "168", "--set")
+    wide = _sass(*args, "WIDE_I8=True")
+    old = _sass(*args, "WIDE_I8=False")
+    assert wide["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
+    assert wide["memory"].get("LDSM.16.MT88.4", 0) > 0
+    w, o = (sum(r["loops"][0].values()) for r in (wide, old))
+    assert w <= 620 < o, (w, o)
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register
@@ -372,8 +385,8 @@ def test_dsa_int8_default_build_fits_its_wave(head):
     from longattn.sparse.triton.decode import decode_config
 
     cfg = decode_config(head, torch.float16, torch.int8, False)
-    assert cfg["LONG_SPLIT_PREFETCH"] is True
-    flags = f"HEAD={head},HEAD_PAD={head},BLOCK_N={cfg['BLOCK_N']}"
+    assert cfg["LONG_SPLIT_PREFETCH"] is True and cfg["WIDE_I8"] is True
+    flags = f"HEAD={head},HEAD_PAD={head},BLOCK_N={cfg['BLOCK_N']},WIDE_I8=True"
     builds = ((cfg["num_stages"], "", 0), (cfg["LONG_SPLIT_STAGES"], ",PREFETCH=True", 8))
     for stages, more, max_stack in builds:
         res = _sass("dsa-decode", "--cache", "i8", "--stages", str(stages),

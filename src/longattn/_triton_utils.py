@@ -212,6 +212,16 @@ def int8x4_to_fp16(t):
     )
 
 
+def words_aligned(*caches) -> bool:
+    """Whether int8 caches ``[B, KV, C, H]`` can be read as int32 words (the decode kernels'
+    ``WIDE_I8``): every row of every (sequence, KV head) starts on a 4-byte boundary and the
+    head size is a multiple of 4."""
+    return all(
+        c.data_ptr() % 4 == 0 and c.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3])
+        for c in caches
+    )
+
+
 @triton.jit
 def _int8_byte_to_fp16(w, j):
     """Byte ``j`` (0..3, little-endian: the int8 at address ``4 * c + j``) of int32 words ``w``

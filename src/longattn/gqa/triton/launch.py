@@ -30,6 +30,7 @@ from ..._triton_utils import (
     next_pow2,
     pdl_kwargs,
     tma_ok,
+    words_aligned,
 )
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
@@ -457,16 +458,6 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, 
     )
 
 
-def words_aligned(*caches: torch.Tensor) -> bool:
-    """Whether int8 caches can be read as int32 words (the decode kernel's ``WIDE_I8``): every
-    row of every (sequence, KV head) starts on a 4-byte boundary and the head size is a
-    multiple of 4."""
-    return all(
-        c.data_ptr() % 4 == 0 and c.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3])
-        for c in caches
-    )
-
-
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
                q_scale=None, fused=None, dot=None, default_cfg=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
@@ -489,8 +480,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     if p.local_window_size > 0:
         span = min(span, p.local_window_size + s - 1)
     span = max(span, 1)
-    if cfg.get("WIDE_I8") and not words_aligned(present_key, present_value):
-        cfg["WIDE_I8"] = False
+    wide = cfg_flag(cfg, "WIDE_I8", False, what="decode cfg")
+    cfg["WIDE_I8"] = wide and words_aligned(present_key, present_value)
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)

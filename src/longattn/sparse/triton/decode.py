@@ -55,9 +55,11 @@ from ..._triton_utils import (
     cache_to_dot,
     cdiv,
     cfg_flag,
+    int8_words_to_fp16,
     next_pow2,
     pdl_kwargs,
     wait_prior_grids,
+    words_aligned,
 )
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import num_sms as _num_sms
@@ -81,7 +83,7 @@ def _attend_tiles(
     IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
 ):  # fmt: skip
     """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
 
@@ -114,7 +116,7 @@ def _attend_tiles(
                     acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
                     stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
                     offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
-                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8,
                 )  # fmt: skip
                 j0 += BLOCK_N
         else:
@@ -123,7 +125,7 @@ def _attend_tiles(
                     acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
                     stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
                     offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
-                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8,
                 )  # fmt: skip
     elif INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
@@ -132,7 +134,7 @@ def _attend_tiles(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
                 stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
-                BLOCK_N, SUBST,
+                BLOCK_N, SUBST, WIDE_I8,
             )  # fmt: skip
             j0 += BLOCK_N
     else:
@@ -141,7 +143,7 @@ def _attend_tiles(
                 acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
                 stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
-                BLOCK_N, SUBST,
+                BLOCK_N, SUBST, WIDE_I8,
             )  # fmt: skip
     return acc, m_i, l_i, n_new
 
@@ -180,11 +182,25 @@ def _tile_rows(
 
 
 @triton.jit
-def _load_rows(base, pos, ok, stride, offs_d, mask_d):
+def _load_rows(base, pos, ok, stride, offs_d, mask_d, WIDE_I8: tl.constexpr = False):
     """The cache rows ``pos [BLOCK_N]`` where ``ok`` (zeros elsewhere): ``[BLOCK_N, HEAD_PAD]``
-    (``mask_d``: a constant when HEAD == HEAD_PAD)."""
-    ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD]
-    return tl.load(base + (pos[:, None] * stride + offs_d[None, :]), mask=ld_mask, other=0)
+    (``mask_d``: a constant when HEAD == HEAD_PAD). ``WIDE_I8`` (int8 rows, HEAD == HEAD_PAD;
+    the host checks 4-byte alignment): the rows read as int32 words and returned as exact
+    fp16 (``_triton_utils.int8_words_to_fp16``)."""
+    WIDE: tl.constexpr = WIDE_I8 and base.dtype.element_ty == tl.int8
+    if WIDE:
+        HEAD_PAD: tl.constexpr = offs_d.shape[0]
+        BLOCK_N: tl.constexpr = pos.shape[0]
+        words = tl.arange(0, HEAD_PAD // 4)  # [HEAD_PAD // 4]
+        w_ptrs = base.to(tl.pointer_type(tl.int32)) + (
+            pos[:, None] * (stride // 4) + words[None, :]
+        )  # fmt: skip
+        w = tl.load(w_ptrs, mask=ok[:, None], other=0)  # [BLOCK_N, HEAD_PAD // 4] int32
+        t = int8_words_to_fp16(w, BLOCK_N, HEAD_PAD)
+    else:
+        ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD]
+        t = tl.load(base + (pos[:, None] * stride + offs_d[None, :]), mask=ld_mask, other=0)
+    return t
 
 
 @triton.jit
@@ -214,13 +230,13 @@ def _tile_pv(acc, alpha, p, v, PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr):
 def _fold_rows(
     acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d, qk_scale,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr,
+    PV_PREC: tl.constexpr, WIDE_I8: tl.constexpr,
 ):  # fmt: skip
     """One tile of cache rows ``pos`` (``_tile_rows``) folded into ``(acc, m, l)``: its K rows
     loaded, the online softmax, then its V rows and ``P.V`` (the V load after the softmax)."""
-    k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d)  # [BLOCK_N, HEAD_PAD]
+    k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d, WIDE_I8)  # [BLOCK_N, HEAD_PAD]
     p, alpha, m_new, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
-    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d)
+    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d, WIDE_I8)
     return _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC), m_new, l_i
 
 
@@ -229,7 +245,7 @@ def _attend_tile(
     acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
     j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, WIDE_I8: tl.constexpr,
 ):  # fmt: skip
     """One tile: its index entries, then its rows (the default loop)."""
     pos, ok, nn = _tile_rows(
@@ -238,7 +254,7 @@ def _attend_tile(
     )  # fmt: skip
     acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
                                offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
-                               PV_PREC)  # fmt: skip
+                               PV_PREC, WIDE_I8)  # fmt: skip
     return acc, m_i, l_i, n_new + nn
 
 
@@ -248,13 +264,13 @@ def _ahead_step(
     stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
     new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr,
+    PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, WIDE_I8: tl.constexpr,
 ):  # fmt: skip
     """``PREFETCH``: fold in tile ``j0`` (rows ``pos, ok, nn`` loaded one step earlier), then
     load the index entries of tile ``j0 + BLOCK_N`` for the next step."""
     acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
                                offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
-                               PV_PREC)  # fmt: skip
+                               PV_PREC, WIDE_I8)  # fmt: skip
     pos_n, ok_n, nn_n = _tile_rows(
         idx_ptr, stride_idx, j0 + BLOCK_N, j_load_end, j_end, lo, qpos, row_real, limit,
         new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
@@ -355,6 +371,7 @@ def dsa_split_kernel(
     HAS_QSCALE: tl.constexpr = False,  # Q rows scaled by powers of two (fp16 Q, int8 K)
     EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
     PREFETCH: tl.constexpr = False,  # index entries one tile ahead (cfg; num_stages >= 3)
+    WIDE_I8: tl.constexpr = False,  # int8 main-cache rows read as int32 words (_load_rows)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -419,7 +436,7 @@ def dsa_split_kernel(
         acc, m_i, l_i, n_new = _attend_tiles(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
             w1, w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
-            FUSE_PROLOGUE, INTERPRET, PREFETCH,
+            FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
@@ -450,7 +467,7 @@ def dsa_split_kernel(
             acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
             stride_vcc, j0, j_load, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
             False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
-            BLOCK_N, FUSE_PROLOGUE, INTERPRET, PREFETCH,
+            BLOCK_N, FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8,
         )  # fmt: skip
 
     if FUSE_PROLOGUE:
@@ -548,7 +565,7 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
     if interpret:
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1, WIDE_I8=cache_dtype == torch.int8)
     if q_dtype == torch.float32:
         return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
     # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
@@ -573,7 +590,12 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # 49.4 / 48.9, B=1 S=8 (29) 114.1 / 115.3 -> 98.2 / 96.2, B=4 S=8 (86) 309.8 / 307.8
         # -> 258.1 / 258.3; the 3-tile splits of B=1 S=1 gained nothing (26.5 / 26.8 -> 28.0
         # / 26.9). Not yet timed on an H200.
-        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True)
+        # WIDE_I8 (session 35, sm_90 SASS, H=256 BLOCK_N 32): the gathered rows read as int32
+        # words and converted four channels per word, both dots from ldmatrix operands at
+        # kWidth 2 (_triton_utils.int8_words_to_fp16): 1151 -> 692 instructions per tile
+        # (no per-byte V loads, no per-element load masks); GPU-untimed
+        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True,
+                   WIDE_I8=True)  # fmt: skip
         if head > 128:
             cfg["num_stages"] = 1
     return cfg
@@ -763,6 +785,9 @@ def dsa_triton(
     prefetch = cfg_flag(cfg, "PREFETCH", False, what="DSA cfg")
     long_prefetch = cfg_flag(cfg, "LONG_SPLIT_PREFETCH", False, what="DSA cfg")
     cfg.pop("LONG_SPLIT_PREFETCH", None)  # host-side: decides PREFETCH below
+    wide = cfg_flag(cfg, "WIDE_I8", False, what="DSA cfg")
+    head_pad = max(16, next_pow2(h))
+    cfg["WIDE_I8"] = wide and h == head_pad and words_aligned(present_key, present_value)
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
     q_scale = None
     if fuse:
