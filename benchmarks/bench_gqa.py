@@ -380,21 +380,18 @@ def decode(rows, best, copy_tbs):
             torch.cuda.empty_cache()
 
 
-# The cache section's int8 tile sweep (B=8, T=128K), against the default (WIDE_I8, BLOCK_N 128,
-# 4 warps, 3 stages; session 35, sm_90 SASS: 724 instructions per 128-key tile, 168 registers).
-# Before WIDE_I8 the loop was issue-bound at 255 registers (~1014-1023 instructions per 128
-# keys, V one shared byte-load per element, Q rebuilt by moves each tile); H100 session 35:
-# 732.4 us (128 / 3 stages), 721.8 (64 / 4 stages), 721.6 (64 capped at 168 registers:
-# gqa_cache_int8_capped_session35_h100.json). The H200 is where int8 missed the issue's 1.7x
-# (1.44-1.52x).
+# The cache section's int8 tile sweep (B=8, T=128K), against the default (BLOCK_N 128, 4 warps,
+# 3 stages: 255 registers, 2 CTAs per SM, ~1023 instructions per 128-key tile in sm_90 SASS,
+# V one shared byte-load per element). H100 session 35 (gqa_cache_int8_wide_session35_h100.json,
+# us): default 734.8; BLOCK_N 64 / 4 stages 721.8, capped at 168 registers 721.4; WIDE_I8
+# (int32 words, ldmatrix operands, 724 instructions per tile at 168 registers) 821.7 as the
+# default build, 857-925 in the sweep: fewer instructions, more shared-memory wavefronts (the
+# fp16 tiles' store and ldmatrix reads). The H200 is where int8 misses the issue's 1.7x
+# (1.44-1.52x); the capped and WIDE rows there are untimed.
 INT8_TILE_SWEEP = [
-    dict(BLOCK_N=128, num_warps=4, num_stages=3),  # the default before WIDE_I8 (session 35)
     dict(BLOCK_N=64, num_warps=4, num_stages=4),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, maxnreg=168),
-    dict(BLOCK_N=128, num_warps=4, num_stages=2, WIDE_I8=True),
-    dict(BLOCK_N=64, num_warps=4, num_stages=4, WIDE_I8=True),
-    dict(BLOCK_N=64, num_warps=4, num_stages=3, WIDE_I8=True),
-    dict(BLOCK_N=128, num_warps=8, num_stages=3, WIDE_I8=True),
+    dict(BLOCK_N=128, num_warps=4, num_stages=3, WIDE_I8=True),
 ]
 
 

@@ -372,19 +372,18 @@ _VARIANTS = {
 # A/B variants of the cache section's int8 rows, over the int8 default (sm_90 builds at H=256,
 # bf16 activations; BLOCK_N 32 capped at 168 registers: 3 programs per SM, the split plan at
 # one wave of them; 1 stage, and for splits of >= 8 tiles 3 stages with the index entries one
-# tile ahead, LONG_SPLIT_PREFETCH; since session 35 the rows read as int32 words, WIDE_I8:
-# sm_90 SASS 1-stage loop 726 -> 571 instructions, 127 registers):
-# - bytes: the per-byte build (WIDE_I8 off), the default of sessions 34 and before;
-# - bytes_long_plain: that build without PREFETCH on long splits (sessions 23-33);
-# - s3: 3 stages for every split, without PREFETCH;
-# - four_per_sm: 4 programs per SM (capped at 128 registers; the WIDE build needs 127).
-# (Older variants, "prev" (uncapped, 2 stages) and "s1" / "s2": sparse_cache_h100.json,
+# tile ahead, LONG_SPLIT_PREFETCH, since session 34):
+# - long_plain: long splits at 3 stages without PREFETCH (the default of sessions 23-33);
+# - wide: the rows read as int32 words (WIDE_I8; sm_90 SASS 1-stage loop 726 -> 571
+#   instructions, 127 registers); H100 session 35 2-6% slower (there named "dsa_us" against
+#   "bytes", sparse_cache_int8_wide_session35_h100.json, with s3 and four_per_sm: slower);
+# - wide_four_per_sm: that build capped at 128 registers, 4 programs per SM.
+# (Older variants, "prev" (uncapped, 2 stages) and "s1" / "s2" / "s3": sparse_cache_h100.json,
 # sparse_cache_prefetch_session34_h100.json.)
 _CACHE_VARIANTS = {
-    "bytes": dict(WIDE_I8=False),
-    "bytes_long_plain": dict(WIDE_I8=False, LONG_SPLIT_PREFETCH=False),
-    "s3": dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
-    "four_per_sm": dict(maxnreg=128, SM_PROGRAMS=4),
+    "long_plain": dict(LONG_SPLIT_PREFETCH=False),
+    "wide": dict(WIDE_I8=True),
+    "wide_four_per_sm": dict(WIDE_I8=True, maxnreg=128, SM_PROGRAMS=4),
 }
 # ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's
 # variants; budget 8192 gives splits of several tiles)

@@ -395,13 +395,13 @@ BALANCED_CASES = {
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["sink-window-softcap-int8", "group8-int8pc-splits2"])
 def test_decode_int8_wide_tiles_interpret(name, device, monkeypatch):
-    """``WIDE_I8`` (the int8 default: tiles read as int32 words and converted four channels per
-    word) against the per-byte path: both within the fp64 tolerance, within two output
-    roundings of each other. A wrong channel order of the words fails the first check."""
-    assert launch.decode_config(128, torch.float16, torch.int8, True)["WIDE_I8"] is True
-    wide = _run_and_check(DECODE_CASES[name], device)
-    _decode_cfg_with(monkeypatch, WIDE_I8=False)
+    """``WIDE_I8`` (an option: tiles read as int32 words and converted four channels per word)
+    against the per-byte default: both within the fp64 tolerance, within two output roundings
+    of each other. A wrong channel order of the words fails the first check."""
+    assert "WIDE_I8" not in launch.decode_config(128, torch.float16, torch.int8, False)
     plain = _run_and_check(DECODE_CASES[name], device)
+    _decode_cfg_with(monkeypatch, WIDE_I8=True)
+    wide = _run_and_check(DECODE_CASES[name], device)
     _assert_within_two_roundings_16bit(wide, plain)
 
 
@@ -420,7 +420,8 @@ def test_int8_words_gate():
 @pytest.mark.interpret
 def test_decode_int8_unaligned_cache_takes_the_byte_path(device, monkeypatch):
     """An int8 cache whose rows are not 4-byte aligned (a view 1 byte into its storage) still
-    decodes right: ``run_decode`` turns ``WIDE_I8`` off for it."""
+    decodes right when ``WIDE_I8`` is asked for: ``run_decode`` turns it off for that cache."""
+    _decode_cfg_with(monkeypatch, WIDE_I8=True)
     seen = []
     orig = launch.words_aligned
     monkeypatch.setattr(launch, "words_aligned", lambda *c: seen.append(orig(*c)) or seen[-1])
@@ -880,12 +881,12 @@ def test_decode_int8_capped_small_tiles_gpu(name, stages, device, monkeypatch):
 @pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
                                   "decode-int8-h128-b17-balanced"])  # fmt: skip
 def test_decode_int8_wide_tiles_gpu(name, device, monkeypatch):
-    """The int8 default (``WIDE_I8``: int32 words, four channels per PTX conversion) against
-    the per-byte path at real sizes: fp64 tolerance and within two output roundings."""
+    """``WIDE_I8`` (int32 words, four channels per PTX conversion) against the per-byte
+    default at real sizes: fp64 tolerance and within two output roundings."""
     c = GPU_CASES[name]
-    wide = _run_and_check(c, device)
-    _decode_cfg_with(monkeypatch, WIDE_I8=False)
     plain = _run_and_check(c, device)
+    _decode_cfg_with(monkeypatch, WIDE_I8=True)
+    wide = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(wide, plain)
 
 

@@ -338,7 +338,7 @@ def test_gqa_int8_small_tiles_fit_three_ctas_without_loop_spills():
 
 
 def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
-    """``WIDE_I8`` (the int8 decode default): K and V read as int32 words, converted in a
+    """``WIDE_I8`` (an int8 decode option): K and V read as int32 words, converted in a
     blocked layout and stored as fp16, so both dots take ``ldmatrix`` operands at kWidth 2: no
     per-byte shared loads of V, Q by ``LDSM`` (not rebuilt from 64-bit loads and register
     moves), and the unmasked 128-key tile within 760 instructions (724 at session 35; 1023
@@ -360,7 +360,7 @@ def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
 
 
 def test_dsa_int8_wide_rows_cut_the_tile_loop():
-    """``WIDE_I8`` (the int8 DSA default, H=256, BLOCK_N 32, 1 stage at 168 registers): the
+    """``WIDE_I8`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): the
     gathered rows read as int32 words, V^T by ``ldmatrix.trans``, no per-byte shared loads;
     the tile loop within 620 instructions (571 at session 35; 726 per byte)."""
     args = ("dsa-decode", "--cache", "i8", "--stages", "1", "--maxnreg", "168", "--set")
@@ -385,8 +385,8 @@ def test_dsa_int8_default_build_fits_its_wave(head):
     from longattn.sparse.triton.decode import decode_config
 
     cfg = decode_config(head, torch.float16, torch.int8, False)
-    assert cfg["LONG_SPLIT_PREFETCH"] is True and cfg["WIDE_I8"] is True
-    flags = f"HEAD={head},HEAD_PAD={head},BLOCK_N={cfg['BLOCK_N']},WIDE_I8=True"
+    assert cfg["LONG_SPLIT_PREFETCH"] is True
+    flags = f"HEAD={head},HEAD_PAD={head},BLOCK_N={cfg['BLOCK_N']}"
     builds = ((cfg["num_stages"], "", 0), (cfg["LONG_SPLIT_STAGES"], ",PREFETCH=True", 8))
     for stages, more, max_stack in builds:
         res = _sass("dsa-decode", "--cache", "i8", "--stages", str(stages),

@@ -755,15 +755,15 @@ def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypa
                                                 (True, 32, "local_plus_selected"),
                                                 (True, 80, "selected_only")])  # fmt: skip
 def test_dsa_int8_wide_rows_match_the_byte_path(per_channel, h, mode, monkeypatch):
-    """``WIDE_I8`` (the int8 default: main-cache rows read as int32 words, four channels per
-    conversion; auxiliary rows stay float) against the per-byte path: the same caches bit for
-    bit, within two output roundings, within the fp64 tolerance; a padded head (H = 80 <
+    """``WIDE_I8`` (an option: main-cache rows read as int32 words, four channels per
+    conversion; auxiliary rows stay float) against the per-byte default: the same caches bit
+    for bit, within two output roundings, within the fp64 tolerance; a padded head (H = 80 <
     HEAD_PAD) launches without it; a non-bool is a ValueError."""
     seen = _spy_split_launches(monkeypatch, lambda kw: kw["WIDE_I8"])
     kw = build(61 + h, h=h, m=24, s=2, cache_dtype=torch.int8, per_channel=per_channel,
                mode=mode, window=6)  # fmt: skip
-    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton", WIDE_I8=False)
-    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton")
+    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton")
+    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton", WIDE_I8=True)
     assert seen == [False, h == 32], seen
     assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
     assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))

@@ -485,15 +485,18 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
     the 255-register limit (~200 register moves per tile), and V's bytes reach the P.V MMA
     layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key."""
     if interpret:
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1, WIDE_I8=cache_dtype == torch.int8)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if dot_dtype.itemsize == 4:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     block_n = 64 if head <= 128 else 32
     if cache_dtype == torch.int8:
-        # WIDE_I8 (session 35, sm_90 SASS): the tiles read as int32 words and converted in a
-        # blocked layout, the MMA operands from shared memory at kWidth 2: 724 instructions
-        # per 128-key tile instead of 1023, 168 registers instead of 255 (untimed)
-        cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3, WIDE_I8=True)
+        # WIDE_I8 (an option, off): the tiles read as int32 words and converted in a blocked
+        # layout, the MMA operands by ldmatrix at kWidth 2: 724 instead of 1023 instructions
+        # per 128-key tile (sm_90 SASS), but H100 B=8 T=128K 821.7 vs 734.8 us (B=1 114.5 vs
+        # 106.0, B=32 3146 vs 2851): the fp16 round trip through shared memory costs more
+        # shared-memory wavefronts than the byte loads it replaces (session 35,
+        # gqa_cache_int8_wide_session35_h100.json)
+        cfg = dict(BLOCK_N=2 * block_n, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=block_n, num_warps=4, num_stages=4 if head <= 128 else 3)
         if pair_count_plan(head, dot_dtype, cache_dtype):

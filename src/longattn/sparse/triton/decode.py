@@ -565,7 +565,7 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
     if interpret:
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1, WIDE_I8=cache_dtype == torch.int8)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if q_dtype == torch.float32:
         return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
     # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
@@ -590,12 +590,12 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # 49.4 / 48.9, B=1 S=8 (29) 114.1 / 115.3 -> 98.2 / 96.2, B=4 S=8 (86) 309.8 / 307.8
         # -> 258.1 / 258.3; the 3-tile splits of B=1 S=1 gained nothing (26.5 / 26.8 -> 28.0
         # / 26.9). Not yet timed on an H200.
-        # WIDE_I8 (session 35, sm_90 SASS, H=256 BLOCK_N 32): the gathered rows read as int32
-        # words and converted four channels per word, both dots from ldmatrix operands at
-        # kWidth 2 (_triton_utils.int8_words_to_fp16): 1151 -> 692 instructions per tile
-        # (no per-byte V loads, no per-element load masks); GPU-untimed
-        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True,
-                   WIDE_I8=True)  # fmt: skip
+        # WIDE_I8 (an option, off; _load_rows): the rows read as int32 words, both dots from
+        # ldmatrix operands: sm_90 SASS 726 -> 571 instructions per tile (1 stage, 127
+        # registers), but H100 budget 8192 T=128K 2-6% slower (B=1 S=1 27.62 vs 26.46 us, B=1
+        # S=8 103.78 vs 98.21, B=4 S=1 51.84 vs 49.98, B=4 S=8 268.51 vs 260.99; session 35,
+        # sparse_cache_int8_wide_session35_h100.json)
+        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True)
         if head > 128:
             cfg["num_stages"] = 1
     return cfg
