@@ -322,8 +322,8 @@ def test_select_tile_max_argument():
             select.select_launch_args(sc, sk, tile_max=bad, cfg=over, **kw)
     want = select.wants_tile_max
     assert want(4096, 2048, 64) == 64 and want(2048, 2048, 64) == 64  # RANK_TILE_BLOCKS
-    assert want(1025, 1024, 64) == 32 and want(8192, 2048, 64) == 64  # RANK_DEFAULT_BLOCKS
-    assert want(16384, 2048, 64) == 64 and want(16385, 2048, 64) == 0  # beyond MAX_BLOCKS
+    assert want(1025, 1024, 64) == 32 and want(8192, 2048, 64) == 0  # groups floor there
+    assert want(16384, 2048, 64) == 0 and want(16385, 2048, 64) == 0  # (16385: > MAX_BLOCKS)
     assert want(8192, 2048, 64, cfg=dict(RANK_SELECT=True)) == 64
     assert want(4096, 2048, 64, cfg=dict(RANK_FLOOR="groups")) == 0
     assert want(4096, 2048, 64, cfg=dict(RANK_SELECT=False)) == 0

@@ -603,7 +603,9 @@ SELECT_DEFAULTS = dict(RADIX_BITS=2, EMIT_2D=True, EARLY_SCORES=None, ONE_SCAN=T
 # 1M tokens: 8.64 -> 6.13 us / 14.52 -> 9.18; select_rank_wide_session35_h100.json)
 RANK_DEFAULT_BLOCKS = (4096, 8192, 16384)
 # ... and with the tiles floor (session 32, H100, select alone B=1 S=1 at 2048 blocks: 4.11-4.31
-# (radix steps) -> 3.45 us; layer op 16.68-16.87 -> 16.44 us, B=4 27.46-27.94 -> 27.18)
+# (radix steps) -> 3.45 us; layer op 16.68-16.87 -> 16.44 us, B=4 27.46-27.94 -> 27.18). Also
+# the widths where the default takes the tiles floor (``wants_tile_max``): 8192 / 16384 keep
+# the groups floor they were timed with
 RANK_TILE_BLOCKS = (2048, 4096)
 _HOST_KEYS = ("EMIT_2D", "RANK_SELECT", "RANK_CAP_MULT", "RANK_FLOOR")
 RANK_MAX_KB_PAD = 32  # larger budgets keep the radix steps (the rank tile grows as k^2)
@@ -725,7 +727,9 @@ def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
     ``rows`` (B * S) rows whose select may take the tile maxima as its floor: the least tile
     count it would use (``2 * KB_PAD``), or 0 when the rank method with that floor cannot
     apply (by ``cfg``, the row width, the budget) or, with the default floor (``RANK_FLOOR``
-    None), for more than ``TILE_MAX_ROWS`` rows."""
+    None), for more than ``TILE_MAX_ROWS`` rows, and with the default method (``RANK_SELECT``
+    None) at row widths outside ``RANK_TILE_BLOCKS`` (8192 / 16384 blocks: the rank method
+    was timed there with the groups floor only)."""
     kb = token_budget // compress_ratio
     nb_pad, kb_pad = select_pads(num_blocks, kb)
     tune = select_config(cfg, nb_pad, interpret=False)
@@ -735,6 +739,11 @@ def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
         or nb_pad > MAX_BLOCKS
         or tune["RANK_FLOOR"] not in (None, "tiles")
         or (tune["RANK_FLOOR"] is None and rows > TILE_MAX_ROWS)
+        or (
+            tune["RANK_FLOOR"] is None
+            and tune["RANK_SELECT"] is None
+            and nb_pad not in RANK_TILE_BLOCKS
+        )  # fmt: skip
     ):
         return 0
     return 2 * kb_pad if _rank_on(tune, nb_pad <= TOPK_MAX_BLOCKS, kb_pad, nb_pad, True) else 0
