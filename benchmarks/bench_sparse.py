@@ -612,15 +612,18 @@ def main(argv=None):
     ]
     rows: list[dict] = []
     layers = {}
-    cap = max(TS) + 64
-    for b in (1, 4):
-        for dt in (torch.bfloat16, torch.float16, torch.int8):
+    # caches hold the longest length asked for (--T up to 1M: 16384 blocks, select.MAX_BLOCKS);
+    # a layer-only run builds just its batch sizes' bf16 layers (B=4 at 1M: 16 GiB per layer)
+    cap = max(max(TS), *grid["T"]) + 64
+    layer_only = args.sections == "layer"
+    for b in grid["B"] if layer_only else (1, 4):
+        for dt in (torch.bfloat16,) if layer_only else (torch.bfloat16, torch.float16, torch.int8):
             layers[(b, dt)] = Layer(b, cap, dt)
     # extra bf16 layers for the chained (model-like) graphs of the layer section
     need_chain = "layer" in args.sections.split(",")
     chains = {b: [layers[(b, torch.bfloat16)]] + [Layer(b, cap, torch.bfloat16)
                                                   for _ in range(CHAIN - 1) if need_chain]
-              for b in (1, 4)}  # fmt: skip
+              for b in grid["B"] if (b, torch.bfloat16) in layers}  # fmt: skip
     t0 = time.time()
     sections = {
         "layer": lambda: layer_section(rows, layers, ceil["copy_TBps"], chains, grid),
