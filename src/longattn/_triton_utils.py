@@ -187,6 +187,20 @@ def int8_to_fp16(t):
     return u.to(tl.float16, bitcast=True) - 1152.0
 
 
+# four int8 in one 32-bit register ($2) -> four exact fp16 in two ($0: bytes 0, 1; $1: 2, 3)
+_INT8X4_TO_FP16_ASM = tl.constexpr(
+    """{
+    .reg .b32 u, c;
+    xor.b32 u, $2, 0x80808080;
+    mov.b32 c, 0x64806480;
+    prmt.b32 $0, u, 0x64646464, 0x4140;
+    prmt.b32 $1, u, 0x64646464, 0x4342;
+    sub.f16x2 $0, $0, c;
+    sub.f16x2 $1, $1, c;
+}"""
+)
+
+
 @triton.jit
 def int8x4_to_fp16(t):
     """``int8_to_fp16`` four bytes at a time (PTX): one xor flips the four sign bits, two byte
@@ -195,15 +209,7 @@ def int8x4_to_fp16(t):
     if _INTERPRET:
         return int8_to_fp16(t)
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, c;
-        xor.b32 u, $2, 0x80808080;
-        mov.b32 c, 0x64806480;
-        prmt.b32 $0, u, 0x64646464, 0x4140;
-        prmt.b32 $1, u, 0x64646464, 0x4342;
-        sub.f16x2 $0, $0, c;
-        sub.f16x2 $1, $1, c;
-        }""",
+        asm=_INT8X4_TO_FP16_ASM,
         constraints="=r,=r,r",
         args=[t],
         dtype=tl.float16,
@@ -239,15 +245,7 @@ def _int8_words_to_fp16_pairs(w2):
         e = tl.arange(0, 2)  # [2]
         return _int8_byte_to_fp16(w2, e), _int8_byte_to_fp16(w2, e + 2)
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, c;
-        xor.b32 u, $2, 0x80808080;
-        mov.b32 c, 0x64806480;
-        prmt.b32 $0, u, 0x64646464, 0x4140;
-        prmt.b32 $1, u, 0x64646464, 0x4342;
-        sub.f16x2 $0, $0, c;
-        sub.f16x2 $1, $1, c;
-        }""",
+        asm=_INT8X4_TO_FP16_ASM,
         constraints="=r,=r,r,r",
         args=[w2],
         dtype=(tl.float16, tl.float16),
