@@ -274,7 +274,8 @@ def int8_words_to_fp16(w, ROWS: tl.constexpr, COLS: tl.constexpr):
     The default int8 path (``cache_to_dot``) loads the operand layout straight from the int8
     tile at ``kWidth`` 4, where V's bytes arrive one shared load each and Q is rebuilt from
     64-bit loads and register moves every tile (sm_90 SASS of the GQA decode loop, BLOCK_N
-    128: 1023 -> ~730 instructions per tile)."""
+    128: 1023 -> 724 instructions per tile). The decode kernels' ``WIDE_I8`` option; off by
+    default: slower on the H100 (the fp16 tiles' trip through shared memory; DEVELOPERS.md)."""
     lo, hi = _int8_words_to_fp16_pairs(tl.join(w, w))  # [ROWS, COLS // 4, 2] each
     t = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [ROWS, COLS // 4, 2 (hi), 2 (pair)]
     return _dot_width_fence(tl.reshape(t, (ROWS, COLS)))

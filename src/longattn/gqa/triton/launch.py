@@ -464,7 +464,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     ``fused``: the fused-prologue arguments (``_triton_prologue.fused_prologue_args``; S = 1,
     ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype.
     ``default_cfg``: ``cfg`` is ``decode_config``'s (default: ``cfg is None``); only then may
-    the int8 plan switch to the balanced grid."""
+    the int8 plan switch to the balanced grid. ``cfg["WIDE_I8"]`` (bool, off): int8 tiles read
+    as int32 words (``_core.load_kv_tile``), kept off for caches not 4-byte aligned."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot

@@ -758,7 +758,8 @@ def dsa_triton(
     ``PREFETCH`` (bool, off): the split loop loads each tile's index entries one step ahead
     (see ``_attend_tiles``; launched with at least PREFETCH_STAGES stages);
     ``LONG_SPLIT_PREFETCH`` (bool; on for int8 caches): the same for long splits only
-    (``is_long_split``).
+    (``is_long_split``). ``WIDE_I8`` (bool, off): int8 main-cache rows read as int32 words
+    (``_load_rows``; kept off where H != HEAD_PAD or the caches are not 4-byte aligned).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
