@@ -232,8 +232,7 @@ def words_aligned(*caches) -> bool:
 def _int8_byte_to_fp16(w, j):
     """Byte ``j`` (0..3, little-endian: the int8 at address ``4 * c + j``) of int32 words ``w``
     as an exact fp16 (the interpreter's ``int8_words_to_fp16``)."""
-    b = (w >> (8 * j)) & 0xFF  # [.., 2] int32 in 0..255
-    return (b - ((b >> 7) << 8)).to(tl.float16)  # two's complement: 128..255 -> -128..-1
+    return int8_to_fp16(((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True))
 
 
 @triton.jit

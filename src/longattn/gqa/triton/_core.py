@@ -199,22 +199,24 @@ def load_kv_tile(
     ``_triton_utils.cache_to_dot``; with ``WIDE_I8`` (an int8 tile, an fp16 dot; the host
     checks that the base and ``stride_row`` are multiples of 4 bytes) the tile is read as
     int32 words and converted in a blocked layout (``_triton_utils.int8_words_to_fp16``)."""
+    WIDE: tl.constexpr = WIDE_I8 and DOT_DTYPE == tl.float16 and base.dtype.element_ty == tl.int8
+    HEAD: tl.constexpr = offs_d.shape[0]
     rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    if WIDE_I8 and DOT_DTYPE == tl.float16 and base.dtype.element_ty == tl.int8:
-        HEAD: tl.constexpr = offs_d.shape[0]
-        origin = (base + start_n.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
-        words = tl.arange(0, HEAD // 4)  # [HEAD // 4]
-        w_ptrs = origin + (rows[:, None] * (stride_row // 4) + words[None, :])
-        if MASKED:
-            w = tl.load(w_ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
-        else:
-            w = tl.load(w_ptrs)  # [BLOCK_N, HEAD // 4] int32
-        return int8_words_to_fp16(w, BLOCK_N, HEAD)
-    ptrs = (base + start_n.to(tl.int64) * stride_row) + (
-        rows[:, None] * stride_row + offs_d[None, :]
-    )
+    origin = base + start_n.to(tl.int64) * stride_row  # the tile's first row
+    if WIDE:  # int32 words of 4 channels: [BLOCK_N, HEAD // 4]
+        origin = origin.to(tl.pointer_type(tl.int32))
+        cols = tl.arange(0, HEAD // 4)
+        row_step = stride_row // 4
+    else:  # [BLOCK_N, HEAD] elements
+        cols = offs_d
+        row_step = stride_row
+    ptrs = origin + (rows[:, None] * row_step + cols[None, :])
     if MASKED:
         t = tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    return cache_to_dot(t, DOT_DTYPE, KEYS)
+    if WIDE:
+        t = int8_words_to_fp16(t, BLOCK_N, HEAD)
+    else:
+        t = cache_to_dot(t, DOT_DTYPE, KEYS)
+    return t

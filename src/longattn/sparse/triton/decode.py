@@ -188,18 +188,18 @@ def _load_rows(base, pos, ok, stride, offs_d, mask_d, WIDE_I8: tl.constexpr = Fa
     the host checks 4-byte alignment): the rows read as int32 words and returned as exact
     fp16 (``_triton_utils.int8_words_to_fp16``)."""
     WIDE: tl.constexpr = WIDE_I8 and base.dtype.element_ty == tl.int8
-    if WIDE:
-        HEAD_PAD: tl.constexpr = offs_d.shape[0]
-        BLOCK_N: tl.constexpr = pos.shape[0]
-        words = tl.arange(0, HEAD_PAD // 4)  # [HEAD_PAD // 4]
-        w_ptrs = base.to(tl.pointer_type(tl.int32)) + (
-            pos[:, None] * (stride // 4) + words[None, :]
-        )  # fmt: skip
-        w = tl.load(w_ptrs, mask=ok[:, None], other=0)  # [BLOCK_N, HEAD_PAD // 4] int32
-        t = int8_words_to_fp16(w, BLOCK_N, HEAD_PAD)
+    HEAD_PAD: tl.constexpr = offs_d.shape[0]
+    if WIDE:  # int32 words of 4 channels: [BLOCK_N, HEAD_PAD // 4] (HEAD == HEAD_PAD)
+        base = base.to(tl.pointer_type(tl.int32))
+        cols = tl.arange(0, HEAD_PAD // 4)
+        stride = stride // 4
+        ld_mask = ok[:, None]
     else:
+        cols = offs_d
         ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD]
-        t = tl.load(base + (pos[:, None] * stride + offs_d[None, :]), mask=ld_mask, other=0)
+    t = tl.load(base + (pos[:, None] * stride + cols[None, :]), mask=ld_mask, other=0)
+    if WIDE:
+        t = int8_words_to_fp16(t, pos.shape[0], HEAD_PAD)
     return t
 
 
@@ -875,7 +875,7 @@ def dsa_triton(
         KV_HEADS=kv,
         GROUP=g,
         HEAD=h,
-        HEAD_PAD=max(16, next_pow2(h)),
+        HEAD_PAD=head_pad,
         G_PAD=max(16, next_pow2(g)),
         IS_FIRST_PROMPT=p.is_first_prompt,
         HAS_WINDOW=window > 0,

@@ -30,13 +30,13 @@ fp32 block scores ``[rows, NB]`` of the score kernel and writes the row's ``sele
      cumsum over the chosen flags gives each chosen block its slot; the block ids go to a
      per-row scratch row ``[kb]`` int32 (then a CTA barrier).
    - rank (``RANK_SELECT``; by default rows of ``RANK_DEFAULT_BLOCKS`` (4096 to 16384)
-     blocks with a budget of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of ``2 * KB_PAD`` strided
-     group maxima (a ``[G, G]`` rank, ``_rank_bounds``: ~1.3 k keys lie above it); when at most
-     ``RANK_CAP`` keys do, they are compacted in block order through the scratch row
-     (``_compact``: a cumsum, a scatter, a CTA barrier, one read), ranked by one ``[CAP, CAP]``
-     comparison of distinct (key, place) pairs (``_desc_rank``), and the k of rank < k give
-     their ids in registers (``_compact_ids``); rows of more candidates (ties) take the radix
-     steps from that floor. H100, the select alone (B=1 S=1): 4096 blocks 5.6 -> 5.2 us,
+     blocks with a budget of <= ``RANK_MAX_KB_PAD`` blocks): the floor is the k-th largest of
+     ``2 * KB_PAD`` strided group maxima (a ``[G, G]`` rank, ``_rank_bounds``: ~1.3 k keys lie
+     above it); when at most ``RANK_CAP`` keys do, they are compacted in block order through
+     the scratch row (``_compact``: a cumsum, a scatter, a CTA barrier, one read), ranked by
+     one ``[CAP, CAP]`` comparison of distinct (key, place) pairs (``_desc_rank``), and the k
+     of rank < k give their ids in registers (``_compact_ids``); rows of more candidates
+     (ties) take the radix steps from that floor. H100, the select alone (B=1 S=1): 4096 blocks 5.6 -> 5.2 us,
      8192 8.6 -> 6.1, 16384 14.5 -> 9.2.
      The floor's group maxima may come with the scores instead (``RANK_FLOOR`` "tiles", the
      default when the launch gets them, ``tile_max``): the score kernel's programs then take
@@ -738,11 +738,12 @@ def wants_tile_max(num_blocks: int, token_budget: int, compress_ratio: int,
         or num_blocks == 0
         or nb_pad > MAX_BLOCKS
         or tune["RANK_FLOOR"] not in (None, "tiles")
-        or (tune["RANK_FLOOR"] is None and rows > TILE_MAX_ROWS)
         or (
-            tune["RANK_FLOOR"] is None
-            and tune["RANK_SELECT"] is None
-            and nb_pad not in RANK_TILE_BLOCKS
+            tune["RANK_FLOOR"] is None  # the default floor: tiles only where timed
+            and (
+                rows > TILE_MAX_ROWS
+                or (tune["RANK_SELECT"] is None and nb_pad not in RANK_TILE_BLOCKS)
+            )
         )  # fmt: skip
     ):
         return 0
