@@ -501,6 +501,15 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
+def test_wide_flag_must_be_a_bool(device):
+    """``WIDE_I8`` given as 1 is a ValueError naming the key (not a silent other build)."""
+    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["sink-window-softcap-int8"],
+                                                   device)  # fmt: skip
+    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), WIDE_I8=1)
+    with pytest.raises(ValueError, match=r"cfg\['WIDE_I8'\] must be a bool, got 1"):
+        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
+
+
 def test_balanced_tile_counts_are_not_value_specialized():
     """The compiled kernel (not the interpreter's) leaves tiles_per_pair / total_tiles
     unspecialized: they change with every length, a specialization would recompile."""
