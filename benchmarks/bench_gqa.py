@@ -271,8 +271,9 @@ def _decode_fn(p, cfg=None, splits=None):
 # A/B variants of the decode and cache sections (S = 1), row keys ours_<name>_graph_us:
 # "unfused": the prologue kernel + split kernel (FUSE_PROLOGUE off; the default fuses at
 # H <= 128 since session 23). FUSE_MERGE (the last split program merges) measured 0.97-1.00x
-# and was removed.
-DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False)}
+# and was removed. "v_pairs": int8 V read as int16 channel pairs (V_PAIRS, session 36; an
+# option, off; 16-bit caches ignore it, so their v_pairs rows re-time the default).
+DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_pairs": ("V_PAIRS", True)}
 
 
 def _variant_cfg(cache_dtype, name, b=1):
@@ -392,6 +393,11 @@ INT8_TILE_SWEEP = [
     dict(BLOCK_N=64, num_warps=4, num_stages=4),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, maxnreg=168),
     dict(BLOCK_N=128, num_warps=4, num_stages=3, WIDE_I8=True),
+    # V_PAIRS with the fused prologue (as the default and the v_pairs row): 2 / 4 stages at
+    # the 168-register cap fit 3 CTAs per SM (the default 3-stage build: 2)
+    dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True),
+    dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
+    dict(BLOCK_N=64, num_warps=4, num_stages=4, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
 ]
 
 

@@ -405,6 +405,69 @@ def test_decode_int8_wide_tiles_interpret(name, device, monkeypatch):
     _assert_within_two_roundings_16bit(wide, plain)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["sink-window-softcap-int8", "group8-int8pc-splits2"])
+def test_decode_int8_v_pairs_interpret(name, device, monkeypatch):
+    """``V_PAIRS`` (an option: the int8 V tile read as int16 channel pairs, even and odd
+    channels in two dots, interleaved after the loop) against the per-byte default: both within
+    the fp64 tolerance, within two output roundings of each other. Swapped halves or a wrong
+    interleave fail the first check (per-channel scales included)."""
+    assert "V_PAIRS" not in launch.decode_config(128, torch.float16, torch.int8, False)
+    plain = _run_and_check(DECODE_CASES[name], device)
+    seen = []
+    orig = launch.gqa_decode_split_kernel
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    pairs = _run_and_check(DECODE_CASES[name], device)
+    assert seen and all(kw["V_PAIRS"] for kw in seen), "the V_PAIRS build did not run"
+    _assert_within_two_roundings_16bit(pairs, plain)
+
+
+class _KernelSpy:
+    """``kernel[grid](**kw)`` that records ``kw`` and launches ``kernel``."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch_(**kw):
+            self.seen.append(kw)
+            return self.kernel[grid](**kw)
+
+        return launch_
+
+
+def test_int8_pairs_gate():
+    """``V_PAIRS`` reads int16 words: kept only for V caches whose base, strides and head size
+    are even; ``WIDE_I8`` (``words_aligned`` at 4 bytes) implies it."""
+    buf = torch.zeros(2 * 4 * 64 * 130 + 2, dtype=torch.int8)
+    cache = buf[:-2].view(2, 4, 64, 130)
+    assert launch.words_aligned(cache, cache[..., :128], word=2)  # row stride 130
+    assert not launch.words_aligned(cache, word=4)
+    assert not launch.words_aligned(buf[1:-1].view(2, 4, 64, 130), word=2)  # base 1 byte off
+    assert not launch.words_aligned(torch.zeros(2, 4, 64, 129, dtype=torch.int8)[..., :128], word=2)
+
+
+@pytest.mark.interpret
+def test_decode_int8_v_pairs_off_for_an_odd_cache(device, monkeypatch):
+    """An int8 cache 1 byte into its storage decodes right when ``V_PAIRS`` is asked for: the
+    launch runs the per-byte build."""
+    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    seen = []
+    orig = launch.gqa_decode_split_kernel
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    real = nan_tensor
+
+    def shifted(shape, dtype, device):  # int8 caches 1 byte into their storage
+        if dtype != torch.int8:
+            return real(shape, dtype, device)
+        return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
+
+    monkeypatch.setitem(globals(), "nan_tensor", shifted)
+    _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
+    assert seen and not any(kw["V_PAIRS"] for kw in seen)
+
+
 def test_int8_words_gate():
     """``WIDE_I8`` reads int32 words: the host keeps it only for caches whose base, strides
     (sequence, head, row) and head size are multiples of 4 bytes; others take the per-byte
@@ -501,12 +564,14 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
-def test_wide_flag_must_be_a_bool(device):
-    """``WIDE_I8`` given as 1 is a ValueError naming the key (not a silent other build)."""
+@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS"])
+def test_wide_flag_must_be_a_bool(flag, device):
+    """``WIDE_I8`` / ``V_PAIRS`` given as 1 is a ValueError naming the key (not a silent other
+    build)."""
     query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["sink-window-softcap-int8"],
                                                    device)  # fmt: skip
-    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), WIDE_I8=1)
-    with pytest.raises(ValueError, match=r"cfg\['WIDE_I8'\] must be a bool, got 1"):
+    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True), **{flag: 1})
+    with pytest.raises(ValueError, match=rf"cfg\['{flag}'\] must be a bool, got 1"):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
@@ -897,6 +962,19 @@ def test_decode_int8_wide_tiles_gpu(name, device, monkeypatch):
     _decode_cfg_with(monkeypatch, WIDE_I8=True)
     wide = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(wide, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
+                                  "decode-int8-h128-b17-balanced"])  # fmt: skip
+def test_decode_int8_v_pairs_gpu(name, device, monkeypatch):
+    """``V_PAIRS`` (int8 V as int16 channel pairs by ldmatrix.trans) against the per-byte
+    default at real sizes: fp64 tolerance and within two output roundings."""
+    c = GPU_CASES[name]
+    plain = _run_and_check(c, device)
+    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    pairs = _run_and_check(c, device)
+    _assert_within_two_roundings_16bit(pairs, plain)
 
 
 @pytest.mark.gpu

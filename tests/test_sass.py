@@ -359,6 +359,27 @@ def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
     assert wide["regs"] <= 168 < old["regs"] and wide["stack"] == 0
 
 
+def test_gqa_int8_v_pairs_read_v_by_ldmatrix_trans():
+    """``V_PAIRS`` (an int8 decode option): V read as int16 channel pairs reaches the P.V
+    operand layout by ``ldmatrix.trans`` (no per-byte shared loads), its global reads are
+    16-byte ``cp.async`` (8-byte without), same MMAs, and the unmasked 128-key tile within 800
+    instructions (762 at session 36; 1023 without it), below the 255-register limit."""
+    base = ("--cache", "i8", "--stages", "3", "--set")
+    pairs = _sass("gqa-decode", *base, "BLOCK_N=128,V_PAIRS=True")
+    old = _sass("gqa-decode", *base, "BLOCK_N=128")
+    assert pairs["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
+    assert pairs["memory"].get("LDSM.16.MT88.4", 0) > 0  # V^T pairs by ldmatrix.trans
+    assert pairs["memory"].get("LDGSTS.E.64", 0) == 0 < old["memory"].get("LDGSTS.E.64", 0)
+
+    def unmasked(res):
+        return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
+
+    v, o = unmasked(pairs), unmasked(old)
+    assert v.get("HMMA", 0) == o.get("HMMA", 0) > 0
+    assert sum(v.values()) <= 800 < sum(o.values()), (sum(v.values()), sum(o.values()))
+    assert pairs["regs"] < 255 == old["regs"] and pairs["stack"] == 0
+
+
 def test_dsa_int8_wide_rows_cut_the_tile_loop():
     """``WIDE_I8`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): the
     gathered rows read as int32 words, V^T by ``ldmatrix.trans``, no per-byte shared loads;

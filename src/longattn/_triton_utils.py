@@ -218,13 +218,52 @@ def int8x4_to_fp16(t):
     )
 
 
-def words_aligned(*caches) -> bool:
-    """Whether int8 caches ``[B, KV, C, H]`` can be read as int32 words (the decode kernels'
-    ``WIDE_I8``): every row of every (sequence, KV head) starts on a 4-byte boundary and the
-    head size is a multiple of 4."""
+def words_aligned(*caches, word: int = 4) -> bool:
+    """Whether int8 caches ``[B, KV, C, H]`` can be read as ``word``-byte words (the decode
+    kernels' ``WIDE_I8``: int32, ``V_PAIRS``: int16): every row of every (sequence, KV head)
+    starts on a ``word``-byte boundary and the head size is a multiple of ``word``."""
     return all(
-        c.data_ptr() % 4 == 0 and c.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3])
+        c.data_ptr() % word == 0
+        and c.shape[-1] % word == 0
+        and all(st % word == 0 for st in c.stride()[:3])
         for c in caches
+    )
+
+
+# two int16 in one 32-bit register ($2), each holding two int8 (its low byte: an even channel,
+# its high byte: the odd one) -> the even channels as two exact fp16 in $0, the odd ones in $1
+_INT8_PAIRS_TO_FP16_ASM = tl.constexpr(
+    """{
+    .reg .b32 u, c;
+    xor.b32 u, $2, 0x80808080;
+    mov.b32 c, 0x64806480;
+    prmt.b32 $0, u, 0x64646464, 0x4240;
+    prmt.b32 $1, u, 0x64646464, 0x4341;
+    sub.f16x2 $0, $0, c;
+    sub.f16x2 $1, $1, c;
+}"""
+)
+
+
+@triton.jit
+def int8_pairs_to_fp16(w):
+    """``(even, odd)`` exact fp16, each of ``w``'s shape: the int8 channel pairs of an int8
+    tile read as int16 words ``w`` (byte 0: channel 2j, byte 1: channel 2j + 1), by
+    ``int8x4_to_fp16``'s xor / byte permute / fp16 subtract, two words per 32-bit register.
+    Read this way a V tile ``[keys, HEAD // 2]`` reaches the P.V MMA operand layout (two
+    consecutive keys per register) by ``ldmatrix.trans`` of 16-bit words, where int8 bytes take
+    one shared load each (``cache_to_dot``). The interpreter runs ``int8_to_fp16``."""
+    if _INTERPRET:
+        lo = (w & 0xFF).to(tl.uint8)
+        hi = ((w >> 8) & 0xFF).to(tl.uint8)
+        return int8_to_fp16(lo), int8_to_fp16(hi)
+    return tl.inline_asm_elementwise(
+        asm=_INT8_PAIRS_TO_FP16_ASM,
+        constraints="=r,=r,r",
+        args=[w],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
     )
 
 

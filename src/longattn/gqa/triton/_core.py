@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cache_to_dot, int8_words_to_fp16
+from ..._triton_utils import cache_to_dot, int8_pairs_to_fp16, int8_words_to_fp16
 
 LOG2E = 1.4426950408889634
 
@@ -152,14 +152,44 @@ def online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC: tl.constexpr):
     HEAD] dot dtype. The P.V product
     accumulates into the rescaled acc on the tensor cores.
     """
+    p, alpha, m_new, l_i = softmax_weights(m_i, l_i, s, unit)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def softmax_weights(m_i, l_i, s, unit):
+    """``(p [M, BLOCK_N], alpha [M], m_new [M], l_new [M])`` of one tile of logits ``s`` (see
+    ``online_softmax_step``): the tile's weights, the rescale factor of the running state, and
+    the new running max and denominator."""
     # unit: scalar or [M, 1]; the size-1 max only drops the column axis
     m_new = tl.maximum(m_i, tl.max(tl.max(s, 1)[:, None] * unit, 1))  # [M]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay finite
     alpha = tl.exp2(m_i - m_safe)  # [M]
     p = tl.exp2(s * unit - m_safe[:, None])  # [M, BLOCK_N], one FMA + exp2 per logit
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl.constexpr):
+    """``online_softmax_step`` with V in two halves (``load_v_pairs``): the even channels
+    ``v_e`` and the odd ones ``v_o`` ``[BLOCK_N, HEAD // 2]``, accumulated into ``acc_e`` /
+    ``acc_o`` ``[M, HEAD // 2]`` by two dots of the same P (the MMAs of one ``HEAD``-wide
+    dot); ``interleave_channels`` puts the halves back together after the loop."""
+    p, alpha, m_new, l_i = softmax_weights(m_i, l_i, s, unit)
+    pv = p.to(v_e.dtype)  # [M, BLOCK_N]
+    acc_e = tl.dot(pv, v_e, acc_e * alpha[:, None], input_precision=DOT_PREC)
+    acc_o = tl.dot(pv, v_o, acc_o * alpha[:, None], input_precision=DOT_PREC)
+    return acc_e, acc_o, m_new, l_i
+
+
+@triton.jit
+def interleave_channels(acc_e, acc_o):
+    """``[M, HEAD]``: column ``2j`` from ``acc_e [M, HEAD // 2]``, ``2j + 1`` from ``acc_o``."""
+    M: tl.constexpr = acc_e.shape[0]
+    HALF: tl.constexpr = acc_e.shape[1]
+    return tl.reshape(tl.join(acc_e, acc_o), (M, 2 * HALF))  # [M, HALF, 2] -> [M, HEAD]
 
 
 @triton.jit
@@ -176,6 +206,39 @@ def normalize(acc, l_i):
     """acc / l with rows of l == 0 (nothing attended) giving zeros; [M, HEAD] fp32."""
     inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [M]
     return acc * inv[:, None]
+
+
+@triton.jit
+def _load_words(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
+                WORD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Rows ``[start_n, start_n + BLOCK_N)`` of a cache tile read as ``WORD`` words (the cache's
+    element type, or a wider integer: ``[BLOCK_N, HEAD * elem_bytes // word_bytes]``); rows
+    >= ``kv_hi`` are not read (zeros) when ``MASKED``."""
+    ELEM: tl.constexpr = base.dtype.element_ty
+    COLS: tl.constexpr = HEAD * ELEM.primitive_bitwidth // WORD.primitive_bitwidth
+    STEP: tl.constexpr = WORD.primitive_bitwidth // ELEM.primitive_bitwidth  # elements per word
+    rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    origin = base + start_n.to(tl.int64) * stride_row  # the tile's first row
+    row_step = stride_row
+    if STEP > 1:
+        origin = origin.to(tl.pointer_type(WORD))
+        row_step = stride_row // STEP
+    cols = tl.arange(0, COLS)  # [COLS]
+    ptrs = origin + (rows[:, None] * row_step + cols[None, :])  # [BLOCK_N, COLS]
+    if MASKED:
+        return tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def load_v_pairs(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
+                 MASKED: tl.constexpr):  # fmt: skip
+    """An int8 V tile as two exact fp16 halves ``(even, odd)``, each ``[BLOCK_N, HEAD // 2]``
+    (channels ``2j`` and ``2j + 1``), read as int16 words (``int8_pairs_to_fp16``; the host
+    checks that the base and ``stride_row`` are even): the decode kernels' ``V_PAIRS``. For
+    ``online_softmax_pairs``; masking as ``load_kv_tile``."""
+    w = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, tl.int16, MASKED)
+    return int8_pairs_to_fp16(w)  # [BLOCK_N, HEAD // 2] x 2
 
 
 @triton.jit
@@ -201,22 +264,11 @@ def load_kv_tile(
     int32 words and converted in a blocked layout (``_triton_utils.int8_words_to_fp16``)."""
     WIDE: tl.constexpr = WIDE_I8 and DOT_DTYPE == tl.float16 and base.dtype.element_ty == tl.int8
     HEAD: tl.constexpr = offs_d.shape[0]
-    rows = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    origin = base + start_n.to(tl.int64) * stride_row  # the tile's first row
     if WIDE:  # int32 words of 4 channels: [BLOCK_N, HEAD // 4]
-        origin = origin.to(tl.pointer_type(tl.int32))
-        cols = tl.arange(0, HEAD // 4)
-        row_step = stride_row // 4
+        w = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, tl.int32, MASKED)
+        t = int8_words_to_fp16(w, BLOCK_N, HEAD)
     else:  # [BLOCK_N, HEAD] elements
-        cols = offs_d
-        row_step = stride_row
-    ptrs = origin + (rows[:, None] * row_step + cols[None, :])
-    if MASKED:
-        t = tl.load(ptrs, mask=(start_n + rows < kv_hi)[:, None], other=0)
-    else:
-        t = tl.load(ptrs)
-    if WIDE:
-        t = int8_words_to_fp16(t, BLOCK_N, HEAD)
-    else:
+        elems = base.dtype.element_ty
+        t = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, elems, MASKED)
         t = cache_to_dot(t, DOT_DTYPE, KEYS)
-    return t
+    return t  # [BLOCK_N, HEAD]

@@ -44,11 +44,14 @@ from ..._triton_prologue import (
 from ..._triton_utils import cdiv, wait_prior_grids
 from ._core import (
     causal_window_mask,
+    interleave_channels,
     load_kv_tile,
     load_row_scale,
     load_total_len,
+    load_v_pairs,
     new_row_span,
     normalize,
+    online_softmax_pairs,
     online_softmax_step,
     scores,
     softcap_log2,
@@ -57,16 +60,18 @@ from ._core import (
 
 @triton.jit
 def _decode_block(
-    acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
+    acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr,
+    PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
-    to every packed row (the kernel takes such tiles only when every stored row is valid)."""
+    to every packed row (the kernel takes such tiles only when every stored row is valid).
+    ``V_PAIRS``: ``acc`` / ``acc2`` hold the even / odd output channels (``load_v_pairs``);
+    otherwise ``acc`` holds them all and ``acc2`` is carried unused."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED, True,
@@ -86,14 +91,20 @@ def _decode_block(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
-    v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED, False,
-                     WIDE_I8)  # fmt: skip
-    return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
+    if V_PAIRS:
+        v_e, v_o = load_v_pairs(v_base, start_n, stride_vc, end, BLOCK_N, HEAD, MASKED)
+        acc, acc2, m_i, l_i = online_softmax_pairs(acc, acc2, m_i, l_i, s, unit, v_e, v_o,
+                                                   DOT_PREC)  # fmt: skip
+    else:
+        v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED,
+                         False, WIDE_I8)  # fmt: skip
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
 def _decode_range(
-    acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
+    acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -101,28 +112,31 @@ def _decode_range(
     PV_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
     WIDE_I8: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
     ``range`` (see prefill._attend_range), so it runs the same body in a while loop."""
     if INTERPRET:
         start_n = lo
         while start_n < hi:
-            acc, m_i, l_i = _decode_block(
-                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+            acc, acc2, m_i, l_i = _decode_block(
+                acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
+                V_PAIRS,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _decode_block(
-                acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+            acc, acc2, m_i, l_i = _decode_block(
+                acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
+                V_PAIRS,
             )  # fmt: skip
-    return acc, m_i, l_i
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
@@ -174,6 +188,7 @@ def _split_part(
     HAS_POS: tl.constexpr = False, HAS_QNORM: tl.constexpr = False,
     HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
     kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
@@ -234,7 +249,12 @@ def _split_part(
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
-    acc = tl.zeros([ROWS_PAD, HEAD], dtype=tl.float32)  # [ROWS_PAD, HEAD]
+    if V_PAIRS:  # the even / odd output channels apart until after the tile loops
+        acc = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
+        acc2 = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
+    else:
+        acc = tl.zeros([ROWS_PAD, HEAD], dtype=tl.float32)  # [ROWS_PAD, HEAD]
+        acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
     # Keys < full_end are visible to every valid row (causal: <= the first new token's
@@ -245,20 +265,24 @@ def _split_part(
     if HAS_WINDOW:
         full_end = start
     full_hi = start + tl.maximum(full_end - start, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _decode_range(
-        acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
+    acc, acc2, m_i, l_i = _decode_range(
+        acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
         full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
+        V_PAIRS=V_PAIRS,
     )  # fmt: skip
-    acc, m_i, l_i = _decode_range(
-        acc, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
+    acc, acc2, m_i, l_i = _decode_range(
+        acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
         end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
+        V_PAIRS=V_PAIRS,
     )  # fmt: skip
+    if V_PAIRS:
+        acc = interleave_channels(acc, acc2)  # [ROWS_PAD, HEAD]
 
     if FUSE_PROLOGUE:
         # the split whose range holds the new row folds it in (its V loaded only now) and
@@ -374,6 +398,7 @@ def gqa_decode_split_kernel(
     K_QUANT: tl.constexpr = False,
     BALANCED: tl.constexpr = False,  # grid (programs,): equal tile ranges over all pairs
     WIDE_I8: tl.constexpr = False,  # int8 K/V tiles read as int32 words (load_kv_tile)
+    V_PAIRS: tl.constexpr = False,  # int8 V tiles read as int16 channel pairs (load_v_pairs)
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -406,7 +431,7 @@ def gqa_decode_split_kernel(
                 HAS_BIAS, HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE,
                 INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
                 INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
-                FILL_PIECES=True, WIDE_I8=WIDE_I8,
+                FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
             )  # fmt: skip
             t = seg_end
     else:
@@ -424,7 +449,7 @@ def gqa_decode_split_kernel(
             ROWS_PAD, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
-            HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8,
+            HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
         )  # fmt: skip
 
 

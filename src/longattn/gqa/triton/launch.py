@@ -465,7 +465,9 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     ``cfg["FUSE_PROLOGUE"]``): q_rot / q_scale are None and ``dot`` is Q's dtype.
     ``default_cfg``: ``cfg`` is ``decode_config``'s (default: ``cfg is None``); only then may
     the int8 plan switch to the balanced grid. ``cfg["WIDE_I8"]`` (bool, off): int8 tiles read
-    as int32 words (``_core.load_kv_tile``), kept off for caches not 4-byte aligned."""
+    as int32 words (``_core.load_kv_tile``), kept off for caches not 4-byte aligned.
+    ``cfg["V_PAIRS"]`` (bool, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs
+    (``_core.load_v_pairs``), kept off for a V cache not 2-byte aligned and under ``WIDE_I8``."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -483,6 +485,14 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     wide = cfg_flag(cfg, "WIDE_I8", False, what="decode cfg")
     cfg["WIDE_I8"] = wide and words_aligned(present_key, present_value)
+    pairs_on = cfg_flag(cfg, "V_PAIRS", False, what="decode cfg")
+    cfg["V_PAIRS"] = (
+        pairs_on
+        and not cfg["WIDE_I8"]
+        and present_value.dtype == torch.int8
+        and pv_dtype_for(dot, present_value.dtype) == torch.float16
+        and words_aligned(present_value, word=2)
+    )
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
