@@ -271,9 +271,11 @@ def _decode_fn(p, cfg=None, splits=None):
 # A/B variants of the decode and cache sections (S = 1), row keys ours_<name>_graph_us:
 # "unfused": the prologue kernel + split kernel (FUSE_PROLOGUE off; the default fuses at
 # H <= 128 since session 23). FUSE_MERGE (the last split program merges) measured 0.97-1.00x
-# and was removed. "v_pairs": int8 V read as int16 channel pairs (V_PAIRS, session 36; an
-# option, off; 16-bit caches ignore it, so their v_pairs rows re-time the default).
-DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_pairs": ("V_PAIRS", True)}
+# and was removed. "v_bytes": int8 V read one byte per element (V_PAIRS off; V_PAIRS, the int8
+# V read as int16 channel pairs, is the default since session 36; 16-bit caches ignore the
+# flag, so their v_bytes rows re-time the default: a noise gauge). Session 36's H100 A/B ran
+# the variant as "v_pairs" (V_PAIRS on, before it became the default).
+DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_bytes": ("V_PAIRS", False)}
 
 
 def _variant_cfg(cache_dtype, name, b=1):
@@ -387,14 +389,16 @@ def decode(rows, best, copy_tbs):
 # us): default 734.8; BLOCK_N 64 / 4 stages 721.8, capped at 168 registers 721.4; WIDE_I8
 # (int32 words, ldmatrix operands, 724 instructions per tile at 168 registers) 821.7 as the
 # default build, 857-925 in the sweep: fewer instructions, more shared-memory wavefronts (the
-# fp16 tiles' store and ldmatrix reads). The H200 is where int8 misses the issue's 1.7x
-# (1.44-1.52x); the capped and WIDE rows there are untimed.
+# fp16 tiles' store and ldmatrix reads). The H200 is where int8 missed the issue's 1.7x
+# (1.44-1.52x); the capped and WIDE rows there are untimed. Rows without a V_PAIRS key read V
+# by bytes (the session-35 default; V_PAIRS is the default since session 36).
 INT8_TILE_SWEEP = [
     dict(BLOCK_N=64, num_warps=4, num_stages=4),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, maxnreg=168),
     dict(BLOCK_N=128, num_warps=4, num_stages=3, WIDE_I8=True),
-    # V_PAIRS with the fused prologue (as the default and the v_pairs row): 2 / 4 stages at
-    # the 168-register cap fit 3 CTAs per SM (the default 3-stage build: 2)
+    # V_PAIRS with the fused prologue (as the default): 2 / 4 stages at the 168-register cap
+    # fit 3 CTAs per SM (the default 3-stage build: 2). H100 session 36 (us, B=8 T=128K,
+    # gqa_cache_v_pairs_session36_h100.json): 698.8 / 707.6 / 727.5 vs the 3-stage 691.6
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True),
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),

@@ -408,12 +408,16 @@ def test_decode_int8_wide_tiles_interpret(name, device, monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.parametrize("name", ["sink-window-softcap-int8", "group8-int8pc-splits2"])
 def test_decode_int8_v_pairs_interpret(name, device, monkeypatch):
-    """``V_PAIRS`` (an option: the int8 V tile read as int16 channel pairs, even and odd
-    channels in two dots, interleaved after the loop) against the per-byte default: both within
+    """``V_PAIRS`` (the int8 default: the V tile read as int16 channel pairs, even and odd
+    channels in two dots, interleaved after the loop) against the per-byte build: both within
     the fp64 tolerance, within two output roundings of each other. Swapped halves or a wrong
     interleave fail the first check (per-channel scales included)."""
-    assert "V_PAIRS" not in launch.decode_config(128, torch.float16, torch.int8, False)
-    plain = _run_and_check(DECODE_CASES[name], device)
+    assert launch.decode_config(128, torch.float16, torch.int8, False)["V_PAIRS"]
+    assert launch.decode_config(16, torch.float16, torch.int8, True)["V_PAIRS"]
+    assert "V_PAIRS" not in launch.decode_config(128, torch.float16, torch.float16, False)
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, V_PAIRS=False)
+        plain = _run_and_check(DECODE_CASES[name], device)
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
@@ -487,7 +491,14 @@ def test_decode_int8_unaligned_cache_takes_the_byte_path(device, monkeypatch):
     _decode_cfg_with(monkeypatch, WIDE_I8=True)
     seen = []
     orig = launch.words_aligned
-    monkeypatch.setattr(launch, "words_aligned", lambda *c: seen.append(orig(*c)) or seen[-1])
+
+    def spy(*caches, word=4):  # records the WIDE_I8 (4-byte) gate
+        aligned = orig(*caches, word=word)
+        if word == 4:
+            seen.append(aligned)
+        return aligned
+
+    monkeypatch.setattr(launch, "words_aligned", spy)
     c = DECODE_CASES["sink-window-softcap-int8"]
     real = nan_tensor
 
@@ -968,10 +979,12 @@ def test_decode_int8_wide_tiles_gpu(name, device, monkeypatch):
 @pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
                                   "decode-int8-h128-b17-balanced"])  # fmt: skip
 def test_decode_int8_v_pairs_gpu(name, device, monkeypatch):
-    """``V_PAIRS`` (int8 V as int16 channel pairs by ldmatrix.trans) against the per-byte
-    default at real sizes: fp64 tolerance and within two output roundings."""
+    """``V_PAIRS`` (the int8 default: V as int16 channel pairs by ldmatrix.trans) against the
+    per-byte build at real sizes: fp64 tolerance and within two output roundings."""
     c = GPU_CASES[name]
-    plain = _run_and_check(c, device)
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, V_PAIRS=False)
+        plain = _run_and_check(c, device)
     _decode_cfg_with(monkeypatch, V_PAIRS=True)
     pairs = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(pairs, plain)
