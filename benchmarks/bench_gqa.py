@@ -275,7 +275,9 @@ def _decode_fn(p, cfg=None, splits=None):
 # V read as int16 channel pairs, is the default since session 36; 16-bit caches ignore the
 # flag, so their v_bytes rows re-time the default: a noise gauge). Session 36's H100 A/B ran
 # the variant as "v_pairs" (V_PAIRS on, before it became the default).
-DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_bytes": ("V_PAIRS", False)}
+# "k_pairs": the int8 K read as int16 channel pairs too (K_PAIRS, an option, session 36).
+DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_bytes": ("V_PAIRS", False),
+                   "k_pairs": ("K_PAIRS", True)}  # fmt: skip
 
 
 def _variant_cfg(cache_dtype, name, b=1):
@@ -402,6 +404,7 @@ INT8_TILE_SWEEP = [
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True),
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
+    dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, FUSE_PROLOGUE=True),
 ]
 
 

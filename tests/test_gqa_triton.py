@@ -405,13 +405,19 @@ def test_decode_int8_wide_tiles_interpret(name, device, monkeypatch):
     _assert_within_two_roundings_16bit(wide, plain)
 
 
+PAIR_FLAGS = {"v": dict(V_PAIRS=True), "kv": dict(V_PAIRS=True, K_PAIRS=True),
+              "k": dict(V_PAIRS=False, K_PAIRS=True)}  # fmt: skip
+
+
 @pytest.mark.interpret
+@pytest.mark.parametrize("flags", list(PAIR_FLAGS))
 @pytest.mark.parametrize("name", ["sink-window-softcap-int8", "group8-int8pc-splits2"])
-def test_decode_int8_v_pairs_interpret(name, device, monkeypatch):
+def test_decode_int8_v_pairs_interpret(name, flags, device, monkeypatch):
     """``V_PAIRS`` (the int8 default: the V tile read as int16 channel pairs, even and odd
     channels in two dots, interleaved after the loop) against the per-byte build: both within
     the fp64 tolerance, within two output roundings of each other. Swapped halves or a wrong
-    interleave fail the first check (per-channel scales included)."""
+    interleave fail the first check (per-channel scales included). ``K_PAIRS`` (an option)
+    likewise for K, with Q split into its even / odd channels."""
     assert launch.decode_config(128, torch.float16, torch.int8, False)["V_PAIRS"]
     assert launch.decode_config(16, torch.float16, torch.int8, True)["V_PAIRS"]
     assert "V_PAIRS" not in launch.decode_config(128, torch.float16, torch.float16, False)
@@ -421,9 +427,11 @@ def test_decode_int8_v_pairs_interpret(name, device, monkeypatch):
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
-    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    _decode_cfg_with(monkeypatch, **PAIR_FLAGS[flags])
     pairs = _run_and_check(DECODE_CASES[name], device)
-    assert seen and all(kw["V_PAIRS"] for kw in seen), "the V_PAIRS build did not run"
+    assert seen, "no split kernel ran"
+    for key, on in PAIR_FLAGS[flags].items():
+        assert all(kw[key] == on for kw in seen), f"the {key}={on} build did not run"
     _assert_within_two_roundings_16bit(pairs, plain)
 
 
@@ -454,9 +462,9 @@ def test_int8_pairs_gate():
 
 @pytest.mark.interpret
 def test_decode_int8_v_pairs_off_for_an_odd_cache(device, monkeypatch):
-    """An int8 cache 1 byte into its storage decodes right when ``V_PAIRS`` is asked for: the
-    launch runs the per-byte build."""
-    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    """An int8 cache 1 byte into its storage decodes right when ``V_PAIRS`` / ``K_PAIRS`` are
+    asked for: the launch runs the per-byte build."""
+    _decode_cfg_with(monkeypatch, V_PAIRS=True, K_PAIRS=True)
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
@@ -469,7 +477,7 @@ def test_decode_int8_v_pairs_off_for_an_odd_cache(device, monkeypatch):
 
     monkeypatch.setitem(globals(), "nan_tensor", shifted)
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
-    assert seen and not any(kw["V_PAIRS"] for kw in seen)
+    assert seen and not any(kw["V_PAIRS"] or kw["K_PAIRS"] for kw in seen)
 
 
 def test_int8_words_gate():
@@ -575,7 +583,7 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
-@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS"])
+@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS"])
 def test_wide_flag_must_be_a_bool(flag, device):
     """``WIDE_I8`` / ``V_PAIRS`` given as 1 is a ValueError naming the key (not a silent other
     build)."""
@@ -978,14 +986,16 @@ def test_decode_int8_wide_tiles_gpu(name, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
                                   "decode-int8-h128-b17-balanced"])  # fmt: skip
-def test_decode_int8_v_pairs_gpu(name, device, monkeypatch):
+@pytest.mark.parametrize("flags", list(PAIR_FLAGS))
+def test_decode_int8_v_pairs_gpu(name, flags, device, monkeypatch):
     """``V_PAIRS`` (the int8 default: V as int16 channel pairs by ldmatrix.trans) against the
-    per-byte build at real sizes: fp64 tolerance and within two output roundings."""
+    per-byte build at real sizes (and ``K_PAIRS``): fp64 tolerance and within two output
+    roundings."""
     c = GPU_CASES[name]
     with monkeypatch.context() as m:
         _decode_cfg_with(m, V_PAIRS=False)
         plain = _run_and_check(c, device)
-    _decode_cfg_with(monkeypatch, V_PAIRS=True)
+    _decode_cfg_with(monkeypatch, **PAIR_FLAGS[flags])
     pairs = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(pairs, plain)
 

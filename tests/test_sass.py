@@ -380,6 +380,28 @@ def test_gqa_int8_v_pairs_read_v_by_ldmatrix_trans():
     assert pairs["regs"] < 255 == old["regs"] and pairs["stack"] == 0
 
 
+def test_gqa_int8_k_pairs_keep_q_in_ldmatrix_operands():
+    """``K_PAIRS`` (an int8 decode option, with the ``V_PAIRS`` default): K read as int16
+    channel pairs and Q split into even / odd channels, so both Q.K dots take 16-bit operands
+    at kWidth 2: no per-tile Q rebuild from shared memory (64-bit ``LDS``) and register moves,
+    and the fused default build's unmasked 128-key tile within 680 instructions (643 at session
+    36; 741 with ``V_PAIRS`` alone)."""
+    base = ("--cache", "i8", "--stages", "3", "--set")
+    both = _sass("gqa-decode", *base, "BLOCK_N=128,V_PAIRS=True,FUSE_PROLOGUE=True,K_PAIRS=True")
+    v_only = _sass("gqa-decode", *base, "BLOCK_N=128,V_PAIRS=True,FUSE_PROLOGUE=True")
+
+    def unmasked(res):
+        return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
+
+    b, v = unmasked(both), unmasked(v_only)
+    assert b.get("HMMA", 0) == v.get("HMMA", 0) > 0
+    # Q's per-tile 64-bit shared loads (16 of V_PAIRS' 25 LDS) and register moves (IMAD.MOV)
+    assert b.get("LDS", 0) + 16 <= v.get("LDS", 0), (b, v)
+    assert b.get("IMAD", 0) <= 40 < v.get("IMAD", 0), (b, v)
+    assert sum(b.values()) <= 680 < sum(v.values()), (sum(b.values()), sum(v.values()))
+    assert all(loop.get("LDL", 0) == 0 for loop in both["loops"])
+
+
 def test_dsa_int8_wide_rows_cut_the_tile_loop():
     """``WIDE_I8`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): the
     gathered rows read as int32 words, V^T by ``ldmatrix.trans``, no per-byte shared loads;

@@ -114,6 +114,23 @@ def scores(
     row_scale > 0``), so the softmax folds the scale into one FMA with the max subtraction;
     softcap/bias logits come out scaled (``unit = 1``)."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
+    return logits(qk, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+
+
+@triton.jit
+def scores_pairs(q_e, q_o, k_e, k_o, qk_scale, row_scale, softcap_mult, bias,
+                 HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """``scores`` with Q and K in even / odd channel halves (``[M, HEAD // 2]``, ``[BLOCK_N,
+    HEAD // 2]``; ``load_int8_pairs``): two dots of half depth into one fp32 product."""
+    qk = tl.dot(q_e, tl.trans(k_e), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32
+    qk = tl.dot(q_o, tl.trans(k_o), qk, input_precision=DOT_PREC)
+    return logits(qk, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+
+
+@triton.jit
+def logits(qk, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP: tl.constexpr,
+           HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """``(s, unit)`` of ``scores`` from the raw dot products ``qk [M, BLOCK_N]`` fp32."""
     if HAS_SOFTCAP:
         s = softcap_log2(qk * row_scale, qk_scale, softcap_mult, DOT_PREC == "ieee")
         unit = 1.0
@@ -173,7 +190,7 @@ def softmax_weights(m_i, l_i, s, unit):
 
 @triton.jit
 def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl.constexpr):
-    """``online_softmax_step`` with V in two halves (``load_v_pairs``): the even channels
+    """``online_softmax_step`` with V in two halves (``load_int8_pairs``): the even channels
     ``v_e`` and the odd ones ``v_o`` ``[BLOCK_N, HEAD // 2]``, accumulated into ``acc_e`` /
     ``acc_o`` ``[M, HEAD // 2]`` by two dots of the same P (the MMAs of one ``HEAD``-wide
     dot); ``interleave_channels`` puts the halves back together after the loop."""
@@ -231,12 +248,13 @@ def _load_words(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: t
 
 
 @triton.jit
-def load_v_pairs(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
+def load_int8_pairs(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
                  MASKED: tl.constexpr):  # fmt: skip
-    """An int8 V tile as two exact fp16 halves ``(even, odd)``, each ``[BLOCK_N, HEAD // 2]``
-    (channels ``2j`` and ``2j + 1``), read as int16 words (``int8_pairs_to_fp16``; the host
-    checks that the base and ``stride_row`` are even): the decode kernels' ``V_PAIRS``. For
-    ``online_softmax_pairs``; masking as ``load_kv_tile``."""
+    """An int8 K or V tile as two exact fp16 halves ``(even, odd)``, each ``[BLOCK_N, HEAD //
+    2]`` (channels ``2j`` and ``2j + 1``), read as int16 words (``int8_pairs_to_fp16``; the
+    host checks that the base and ``stride_row`` are even): the decode kernels' ``V_PAIRS``
+    (for ``online_softmax_pairs``) and ``K_PAIRS`` (for ``scores_pairs``); masking as
+    ``load_kv_tile``."""
     w = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, tl.int16, MASKED)
     return int8_pairs_to_fp16(w)  # [BLOCK_N, HEAD // 2] x 2
 

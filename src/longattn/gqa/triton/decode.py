@@ -45,37 +45,43 @@ from ..._triton_utils import cdiv, wait_prior_grids
 from ._core import (
     causal_window_mask,
     interleave_channels,
+    load_int8_pairs,
     load_kv_tile,
     load_row_scale,
     load_total_len,
-    load_v_pairs,
     new_row_span,
     normalize,
     online_softmax_pairs,
     online_softmax_step,
     scores,
+    scores_pairs,
     softcap_log2,
 )
 
 
 @triton.jit
 def _decode_block(
-    acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
+    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
     to every packed row (the kernel takes such tiles only when every stored row is valid).
-    ``V_PAIRS``: ``acc`` / ``acc2`` hold the even / odd output channels (``load_v_pairs``);
-    otherwise ``acc`` holds them all and ``acc2`` is carried unused."""
+    ``V_PAIRS``: ``acc`` / ``acc2`` hold the even / odd output channels (``load_int8_pairs``);
+    otherwise ``acc`` holds them all and ``acc2`` is carried unused. ``K_PAIRS``: ``q`` / ``q2``
+    are Q's even / odd channels (``scores_pairs``); otherwise ``q`` is Q and ``q2`` unused."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED, True,
-                     WIDE_I8)  # fmt: skip
+    if K_PAIRS:
+        k_e, k_o = load_int8_pairs(k_base, start_n, stride_kc, end, BLOCK_N, HEAD, MASKED)
+    else:
+        k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED,
+                         True, WIDE_I8)  # fmt: skip
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -87,12 +93,17 @@ def _decode_block(
         )
         b_mask = row_ok[:, None] & (offs_n < end)[None, :]
         bias = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N]
-    s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS, DOT_PREC)
+    if K_PAIRS:
+        s, unit = scores_pairs(q, q2, k_e, k_o, qk_scale, row_scale, softcap_mult, bias,
+                               HAS_SOFTCAP, HAS_BIAS, DOT_PREC)  # fmt: skip
+    else:
+        s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP, HAS_BIAS,
+                         DOT_PREC)  # fmt: skip
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
     if V_PAIRS:
-        v_e, v_o = load_v_pairs(v_base, start_n, stride_vc, end, BLOCK_N, HEAD, MASKED)
+        v_e, v_o = load_int8_pairs(v_base, start_n, stride_vc, end, BLOCK_N, HEAD, MASKED)
         acc, acc2, m_i, l_i = online_softmax_pairs(acc, acc2, m_i, l_i, s, unit, v_e, v_o,
                                                    DOT_PREC)  # fmt: skip
     else:
@@ -104,7 +115,7 @@ def _decode_block(
 
 @triton.jit
 def _decode_range(
-    acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
+    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
     window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -113,6 +124,7 @@ def _decode_range(
     INTERPRET: tl.constexpr,
     WIDE_I8: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
     ``range`` (see prefill._attend_range), so it runs the same body in a while loop."""
@@ -120,21 +132,21 @@ def _decode_range(
         start_n = lo
         while start_n < hi:
             acc, acc2, m_i, l_i = _decode_block(
-                acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS,
+                V_PAIRS, K_PAIRS,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, acc2, m_i, l_i = _decode_block(
-                acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
                 start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS,
+                V_PAIRS, K_PAIRS,
             )  # fmt: skip
     return acc, acc2, m_i, l_i
 
@@ -188,7 +200,7 @@ def _split_part(
     HAS_POS: tl.constexpr = False, HAS_QNORM: tl.constexpr = False,
     HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
-    V_PAIRS: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = False, K_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
     kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
@@ -249,6 +261,10 @@ def _split_part(
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    if K_PAIRS:  # Q's even / odd channels [ROWS_PAD, HEAD // 2] each, for scores_pairs
+        q_lo, q_hi = tl.split(tl.reshape(q, (ROWS_PAD, HEAD // 2, 2)))
+    else:
+        q_lo, q_hi = q, q  # (q_hi unused)
     if V_PAIRS:  # the even / odd output channels apart until after the tile loops
         acc = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
         acc2 = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
@@ -266,20 +282,20 @@ def _split_part(
         full_end = start
     full_hi = start + tl.maximum(full_end - start, 0) // BLOCK_N * BLOCK_N
     acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
+        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
         full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
-        V_PAIRS=V_PAIRS,
+        V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
     )  # fmt: skip
     acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
+        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
         end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
         stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
         HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
         DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
-        V_PAIRS=V_PAIRS,
+        V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
     )  # fmt: skip
     if V_PAIRS:
         acc = interleave_channels(acc, acc2)  # [ROWS_PAD, HEAD]
@@ -398,7 +414,8 @@ def gqa_decode_split_kernel(
     K_QUANT: tl.constexpr = False,
     BALANCED: tl.constexpr = False,  # grid (programs,): equal tile ranges over all pairs
     WIDE_I8: tl.constexpr = False,  # int8 K/V tiles read as int32 words (load_kv_tile)
-    V_PAIRS: tl.constexpr = False,  # int8 V tiles read as int16 channel pairs (load_v_pairs)
+    V_PAIRS: tl.constexpr = False,  # int8 V tiles read as int16 channel pairs (load_int8_pairs)
+    K_PAIRS: tl.constexpr = False,  # int8 K tiles too, Q split into even / odd channels
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -431,7 +448,7 @@ def gqa_decode_split_kernel(
                 HAS_BIAS, HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE,
                 INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
                 INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
-                FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
+                FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
             )  # fmt: skip
             t = seg_end
     else:
@@ -449,7 +466,7 @@ def gqa_decode_split_kernel(
             ROWS_PAD, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS,
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
-            HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
+            HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
         )  # fmt: skip
 
 
@@ -513,7 +530,7 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
     if dot_dtype.itemsize == 4:
         return dict(BLOCK_N=16 if interpret else 32, num_warps=4, num_stages=1 if interpret else 2)
     # V_PAIRS (int8 V with the fp16 P.V dot; run_decode keeps it for 2-byte aligned V caches):
-    # the V tile read as int16 channel pairs into two dots (_core.load_v_pairs), sm_90 SASS
+    # the V tile read as int16 channel pairs into two dots (_core.load_int8_pairs), sm_90 SASS
     # BLOCK_N 128: 1023 -> 762 instructions per tile (fused prologue 993 -> 741), no per-byte
     # shared loads. H100, same process (session 36, gqa_cache_v_pairs_session36_h100.json),
     # T=128K B=1 / 8 / 32: 102.6 / 715.4 / 2757.8 -> 98.6 / 691.6 / 2701.4 us (int8 vs bf16

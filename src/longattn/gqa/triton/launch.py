@@ -467,7 +467,9 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     the int8 plan switch to the balanced grid. ``cfg["WIDE_I8"]`` (bool, off): int8 tiles read
     as int32 words (``_core.load_kv_tile``), kept off for caches not 4-byte aligned.
     ``cfg["V_PAIRS"]`` (bool, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs
-    (``_core.load_v_pairs``), kept off for a V cache not 2-byte aligned and under ``WIDE_I8``."""
+    (``_core.load_int8_pairs``), kept off for a V cache not 2-byte aligned and under
+    ``WIDE_I8``; ``cfg["K_PAIRS"]`` (bool, off): the int8 K cache too (fp16 Q.K dot), Q split
+    into its even / odd channels, same conditions for K."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -492,6 +494,14 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         and present_value.dtype == torch.int8
         and pv_dtype_for(dot, present_value.dtype) == torch.float16
         and words_aligned(present_value, word=2)
+    )
+    k_pairs = cfg_flag(cfg, "K_PAIRS", False, what="decode cfg")
+    cfg["K_PAIRS"] = (
+        k_pairs
+        and not cfg["WIDE_I8"]
+        and present_key.dtype == torch.int8
+        and dot == torch.float16
+        and words_aligned(present_key, word=2)
     )
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
