@@ -377,13 +377,17 @@ _VARIANTS = {
 # - wide: the rows read as int32 words (WIDE_I8; sm_90 SASS 1-stage loop 726 -> 571
 #   instructions, 127 registers); H100 session 35 2-6% slower (there named "dsa_us" against
 #   "bytes", sparse_cache_int8_wide_session35_h100.json, with s3 and four_per_sm: slower);
-# - wide_four_per_sm: that build capped at 128 registers, 4 programs per SM.
+# - wide_four_per_sm: that build capped at 128 registers, 4 programs per SM;
+# - v_pairs: V read as int16 channel pairs (V_PAIRS, session 36; sm_90 SASS 1-stage loop 726
+#   -> 662 instructions, 112 registers), and v_pairs_four_per_sm: capped at 128, 4 per SM.
 # (Older variants, "prev" (uncapped, 2 stages) and "s1" / "s2" / "s3": sparse_cache_h100.json,
 # sparse_cache_prefetch_session34_h100.json.)
 _CACHE_VARIANTS = {
     "long_plain": dict(LONG_SPLIT_PREFETCH=False),
     "wide": dict(WIDE_I8=True),
     "wide_four_per_sm": dict(WIDE_I8=True, maxnreg=128, SM_PROGRAMS=4),
+    "v_pairs": dict(V_PAIRS=True),
+    "v_pairs_four_per_sm": dict(V_PAIRS=True, maxnreg=128, SM_PROGRAMS=4),
 }
 # ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's
 # variants; budget 8192 gives splits of several tiles)

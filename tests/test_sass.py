@@ -415,6 +415,21 @@ def test_dsa_int8_wide_rows_cut_the_tile_loop():
     assert w <= 620 < o, (w, o)
 
 
+def test_dsa_int8_v_pairs_cut_the_tile_loop():
+    """``V_PAIRS`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): V's
+    gathered rows read as int16 channel pairs, by ``ldmatrix.trans``, no per-byte shared
+    loads; the tile loop within 690 instructions (662 at session 36; 726 per byte) and <= 128
+    registers (112; 4 programs per SM fit)."""
+    args = ("dsa-decode", "--cache", "i8", "--stages", "1", "--maxnreg", "168", "--set")
+    pairs = _sass(*args, "V_PAIRS=True")
+    old = _sass(*args, "V_PAIRS=False")
+    assert pairs["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
+    assert pairs["memory"].get("LDSM.16.MT88.4", 0) > 0
+    v, o = (sum(r["loops"][0].values()) for r in (pairs, old))
+    assert v <= 690 < o, (v, o)
+    assert pairs["regs"] <= 128 < old["regs"] and pairs["stack"] == 0
+
+
 @pytest.mark.parametrize("head", [128, 256])
 def test_dsa_int8_default_build_fits_its_wave(head):
     """The int8 default config (bf16 activations: fp16 Q rows) compiles within its register

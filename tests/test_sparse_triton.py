@@ -774,6 +774,34 @@ def test_dsa_int8_wide_rows_match_the_byte_path(per_channel, h, mode, monkeypatc
 
 
 @interpret
+@pytest.mark.parametrize("per_channel,h,mode,s,extra", [
+    (False, 32, "selected_only", 2, {}),
+    (True, 32, "selected_only", 2, {"PREFETCH": True}),
+    (True, 32, "selected_only", 1, {"FUSE_PROLOGUE": True}),
+    (True, 32, "local_plus_selected", 2, {}),
+    (True, 80, "selected_only", 2, {}),
+])  # fmt: skip
+def test_dsa_int8_v_pairs_match_the_byte_path(per_channel, h, mode, s, extra, monkeypatch):
+    """``V_PAIRS`` (an option: int8 main-cache V read as int16 channel pairs, even / odd
+    channels in two dots, interleaved after the segments) against the per-byte default, also
+    with ``PREFETCH`` and the fused prologue's new row: the same caches bit for bit, within two
+    output roundings, within the fp64 tolerance. Auxiliary keys (local_plus_selected) or a
+    padded head (H = 80 < HEAD_PAD) launch without it; a non-bool is a ValueError."""
+    seen = _spy_split_launches(monkeypatch, lambda kw: kw["V_PAIRS"])
+    kw = build(71 + h + s, h=h, m=24, s=s, cache_dtype=torch.int8, per_channel=per_channel,
+               mode=mode, window=6)  # fmt: skip
+    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton", **extra)
+    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton", V_PAIRS=True, **extra)
+    assert seen == [False, h == 32 and mode == "selected_only"], seen
+    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
+    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
+    _assert_within_roundings(got, base, 2)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton v_pairs int8")
+    with pytest.raises(ValueError, match=r"cfg\['V_PAIRS'\] must be a bool"):
+        _run_with_splits(_clone(kw), 3, V_PAIRS=1)
+
+
+@interpret
 @pytest.mark.parametrize("first", [False, True])
 def test_dsa_early_cnt_default_and_checked(first, monkeypatch):
     """``EARLY_CNT`` defaults to on unless the rows are a first prompt's; a non-bool is a
@@ -1156,6 +1184,8 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
         dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
         dict(num_stages=1, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
+        dict(V_PAIRS=True),  # session 36: V as int16 channel pairs (an option)
+        dict(V_PAIRS=True, maxnreg=128, SM_PROGRAMS=4),
     ],
 )
 @pytest.mark.parametrize("s", [1, 8])

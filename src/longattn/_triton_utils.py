@@ -268,6 +268,15 @@ def int8_pairs_to_fp16(w):
 
 
 @triton.jit
+def interleave_channels(acc_e, acc_o):
+    """``[M, HEAD]``: column ``2j`` from ``acc_e [M, HEAD // 2]``, ``2j + 1`` from ``acc_o`` (the
+    even / odd accumulators of a ``V_PAIRS`` decode loop)."""
+    M: tl.constexpr = acc_e.shape[0]
+    HALF: tl.constexpr = acc_e.shape[1]
+    return tl.reshape(tl.join(acc_e, acc_o), (M, 2 * HALF))  # [M, HALF, 2] -> [M, HEAD]
+
+
+@triton.jit
 def _int8_byte_to_fp16(w, j):
     """Byte ``j`` (0..3, little-endian: the int8 at address ``4 * c + j``) of int32 words ``w``
     as an exact fp16 (the interpreter's ``int8_words_to_fp16``)."""

@@ -193,20 +193,12 @@ def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl
     """``online_softmax_step`` with V in two halves (``load_int8_pairs``): the even channels
     ``v_e`` and the odd ones ``v_o`` ``[BLOCK_N, HEAD // 2]``, accumulated into ``acc_e`` /
     ``acc_o`` ``[M, HEAD // 2]`` by two dots of the same P (the MMAs of one ``HEAD``-wide
-    dot); ``interleave_channels`` puts the halves back together after the loop."""
+    dot); ``_triton_utils.interleave_channels`` puts the halves back together after the loop."""
     p, alpha, m_new, l_i = softmax_weights(m_i, l_i, s, unit)
     pv = p.to(v_e.dtype)  # [M, BLOCK_N]
     acc_e = tl.dot(pv, v_e, acc_e * alpha[:, None], input_precision=DOT_PREC)
     acc_o = tl.dot(pv, v_o, acc_o * alpha[:, None], input_precision=DOT_PREC)
     return acc_e, acc_o, m_new, l_i
-
-
-@triton.jit
-def interleave_channels(acc_e, acc_o):
-    """``[M, HEAD]``: column ``2j`` from ``acc_e [M, HEAD // 2]``, ``2j + 1`` from ``acc_o``."""
-    M: tl.constexpr = acc_e.shape[0]
-    HALF: tl.constexpr = acc_e.shape[1]
-    return tl.reshape(tl.join(acc_e, acc_o), (M, 2 * HALF))  # [M, HALF, 2] -> [M, HEAD]
 
 
 @triton.jit

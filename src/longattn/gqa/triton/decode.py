@@ -41,10 +41,9 @@ from ..._triton_prologue import (
     rotary_pos,
     store_new_row,
 )
-from ..._triton_utils import cdiv, wait_prior_grids
+from ..._triton_utils import cdiv, interleave_channels, wait_prior_grids
 from ._core import (
     causal_window_mask,
-    interleave_channels,
     load_int8_pairs,
     load_kv_tile,
     load_row_scale,

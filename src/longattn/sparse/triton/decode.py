@@ -55,7 +55,9 @@ from ..._triton_utils import (
     cache_to_dot,
     cdiv,
     cfg_flag,
+    int8_pairs_to_fp16,
     int8_words_to_fp16,
+    interleave_channels,
     next_pow2,
     pdl_kwargs,
     wait_prior_grids,
@@ -78,14 +80,16 @@ _empty = torch.empty  # every buffer of this tier is allocated here (tests poiso
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
+    acc, acc2, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc,
     j_start, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos,
     IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, INTERPRET: tl.constexpr,
-    PREFETCH: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, WIDE_I8: tl.constexpr = False, V_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
-    """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l).
+    """Fold candidates ``j_start .. j_end-1`` of one segment into (acc [G_PAD, HEAD_PAD], m, l);
+    ``V_PAIRS`` (int8 main-cache V read as int16 channel pairs, ``_load_row_pairs``): ``acc`` /
+    ``acc2`` ``[G_PAD, HEAD_PAD // 2]`` hold the even / odd channels (else ``acc2`` is unused).
 
     The tiles cover ``j_start .. j_load_end-1`` (``>= j_end``; the index entries there are
     read, the candidates past ``j_end`` masked): a bound the host knows lets the index loads
@@ -112,40 +116,40 @@ def _attend_tiles(
         if INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
             j0 = j_start
             while j0 < j_load_end:
-                acc, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
-                    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
+                acc, acc2, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
+                    acc, acc2, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
                     stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
                     offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
-                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8, V_PAIRS,
                 )  # fmt: skip
                 j0 += BLOCK_N
         else:
             for j0 in range(j_start, j_load_end, BLOCK_N):
-                acc, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
-                    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
+                acc, acc2, m_i, l_i, n_new, pos, ok, nn = _ahead_step(
+                    acc, acc2, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx,
                     stride_kc, stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit,
                     offs_d, mask_d, qk_scale, new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE,
-                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8,
+                    QK_PREC, PV_DTYPE, PV_PREC, BLOCK_N, SUBST, WIDE_I8, V_PAIRS,
                 )  # fmt: skip
     elif INTERPRET:  # numpy-2 interpreter: no tensor bounds in range()
         j0 = j_start
         while j0 < j_load_end:
-            acc, m_i, l_i, n_new = _attend_tile(
-                acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+            acc, acc2, m_i, l_i, n_new = _attend_tile(
+                acc, acc2, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
                 stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
-                BLOCK_N, SUBST, WIDE_I8,
+                BLOCK_N, SUBST, WIDE_I8, V_PAIRS,
             )  # fmt: skip
             j0 += BLOCK_N
     else:
         for j0 in range(j_start, j_load_end, BLOCK_N):
-            acc, m_i, l_i, n_new = _attend_tile(
-                acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+            acc, acc2, m_i, l_i, n_new = _attend_tile(
+                acc, acc2, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc,
                 stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
                 new_pos, IS_WINDOW, SEL_MAIN, DEDUP, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC,
-                BLOCK_N, SUBST, WIDE_I8,
+                BLOCK_N, SUBST, WIDE_I8, V_PAIRS,
             )  # fmt: skip
-    return acc, m_i, l_i, n_new
+    return acc, acc2, m_i, l_i, n_new
 
 
 @triton.jit
@@ -204,6 +208,26 @@ def _load_rows(base, pos, ok, stride, offs_d, mask_d, WIDE_I8: tl.constexpr = Fa
 
 
 @triton.jit
+def _load_row_pairs(base, pos, ok, stride, HEAD_PAD: tl.constexpr):
+    """``V_PAIRS``: int8 cache rows ``pos`` where ``ok`` (zeros elsewhere) read as int16 words
+    of two channels and returned as exact fp16 halves ``(even, odd)``, each ``[BLOCK_N,
+    HEAD_PAD // 2]`` (HEAD == HEAD_PAD; the host checks 2-byte alignment)."""
+    base = base.to(tl.pointer_type(tl.int16))
+    cols = tl.arange(0, HEAD_PAD // 2)  # [HEAD_PAD // 2]
+    w = tl.load(base + (pos[:, None] * (stride // 2) + cols[None, :]), mask=ok[:, None], other=0)
+    return int8_pairs_to_fp16(w)
+
+
+@triton.jit
+def _tile_pv_pairs(acc, acc2, alpha, p, v_e, v_o, PV_PREC: tl.constexpr):
+    """``_tile_pv`` with V in even / odd channel halves into ``acc`` / ``acc2``."""
+    pv = p.to(tl.float16)  # [G_PAD, BLOCK_N]
+    acc = acc * alpha[:, None] + tl.dot(pv, v_e, input_precision=PV_PREC)
+    acc2 = acc2 * alpha[:, None] + tl.dot(pv, v_o, input_precision=PV_PREC)
+    return acc, acc2
+
+
+@triton.jit
 def _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr):
     """``(p [G_PAD, BLOCK_N], alpha [G_PAD], m_new, l_new)`` of the online softmax over one K
     tile ``k [BLOCK_N, HEAD_PAD]`` (cache dtype; masked slots ``~ok`` take no weight)."""
@@ -228,54 +252,64 @@ def _tile_pv(acc, alpha, p, v, PV_DTYPE: tl.constexpr, PV_PREC: tl.constexpr):
 
 @triton.jit
 def _fold_rows(
-    acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d, qk_scale,
+    acc, acc2, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d, qk_scale,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
-    PV_PREC: tl.constexpr, WIDE_I8: tl.constexpr,
+    PV_PREC: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
 ):  # fmt: skip
-    """One tile of cache rows ``pos`` (``_tile_rows``) folded into ``(acc, m, l)``: its K rows
-    loaded, the online softmax, then its V rows and ``P.V`` (the V load after the softmax)."""
+    """One tile of cache rows ``pos`` (``_tile_rows``) folded into ``(acc, acc2, m, l)``: its K
+    rows loaded, the online softmax, then its V rows and ``P.V`` (the V load after the
+    softmax)."""
     k = _load_rows(k_base, pos, ok, stride_kc, offs_d, mask_d, WIDE_I8)  # [BLOCK_N, HEAD_PAD]
     p, alpha, m_new, l_i = _tile_softmax(q, k, ok, m_i, l_i, qk_scale, QK_DTYPE, QK_PREC)
-    v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d, WIDE_I8)
-    return _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC), m_new, l_i
+    if V_PAIRS:
+        v_e, v_o = _load_row_pairs(v_base, pos, ok, stride_vc, offs_d.shape[0])
+        acc, acc2 = _tile_pv_pairs(acc, acc2, alpha, p, v_e, v_o, PV_PREC)
+    else:
+        v = _load_rows(v_base, pos, ok, stride_vc, offs_d, mask_d, WIDE_I8)
+        acc = _tile_pv(acc, alpha, p, v, PV_DTYPE, PV_PREC)
+    return acc, acc2, m_new, l_i
 
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
+    acc, acc2, m_i, l_i, n_new, q, k_base, v_base, idx_ptr, stride_idx, stride_kc, stride_vc, j0,
     j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale, new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, WIDE_I8: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One tile: its index entries, then its rows (the default loop)."""
     pos, ok, nn = _tile_rows(
         idx_ptr, stride_idx, j0, j_load_end, j_end, lo, qpos, row_real, limit, new_pos,
         IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
     )  # fmt: skip
-    acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
-                               offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
-                               PV_PREC, WIDE_I8)  # fmt: skip
-    return acc, m_i, l_i, n_new + nn
+    acc, acc2, m_i, l_i = _fold_rows(
+        acc, acc2, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d,
+        qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, WIDE_I8, V_PAIRS,
+    )  # fmt: skip
+    return acc, acc2, m_i, l_i, n_new + nn
 
 
 @triton.jit
 def _ahead_step(
-    acc, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx, stride_kc,
+    acc, acc2, m_i, l_i, n_new, q, pos, ok, nn, k_base, v_base, idx_ptr, stride_idx, stride_kc,
     stride_vc, j0, j_load_end, j_end, lo, qpos, row_real, limit, offs_d, mask_d, qk_scale,
     new_pos, IS_WINDOW: tl.constexpr, SEL_MAIN: tl.constexpr, DEDUP: tl.constexpr,
     QK_DTYPE: tl.constexpr, QK_PREC: tl.constexpr, PV_DTYPE: tl.constexpr,
     PV_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SUBST: tl.constexpr, WIDE_I8: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """``PREFETCH``: fold in tile ``j0`` (rows ``pos, ok, nn`` loaded one step earlier), then
     load the index entries of tile ``j0 + BLOCK_N`` for the next step."""
-    acc, m_i, l_i = _fold_rows(acc, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc,
-                               offs_d, mask_d, qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE,
-                               PV_PREC, WIDE_I8)  # fmt: skip
+    acc, acc2, m_i, l_i = _fold_rows(
+        acc, acc2, m_i, l_i, q, pos, ok, k_base, v_base, stride_kc, stride_vc, offs_d, mask_d,
+        qk_scale, QK_DTYPE, QK_PREC, PV_DTYPE, PV_PREC, WIDE_I8, V_PAIRS,
+    )  # fmt: skip
     pos_n, ok_n, nn_n = _tile_rows(
         idx_ptr, stride_idx, j0 + BLOCK_N, j_load_end, j_end, lo, qpos, row_real, limit,
         new_pos, IS_WINDOW, SEL_MAIN, DEDUP, BLOCK_N, SUBST,
     )  # fmt: skip
-    return acc, m_i, l_i, n_new + nn, pos_n, ok_n, nn_n
+    return acc, acc2, m_i, l_i, n_new + nn, pos_n, ok_n, nn_n
 
 
 @triton.jit
@@ -372,6 +406,7 @@ def dsa_split_kernel(
     EARLY_CNT: tl.constexpr = False,  # index loads not waiting for selected_counts (cfg)
     PREFETCH: tl.constexpr = False,  # index entries one tile ahead (cfg; num_stages >= 3)
     WIDE_I8: tl.constexpr = False,  # int8 main-cache rows read as int32 words (_load_rows)
+    V_PAIRS: tl.constexpr = False,  # int8 main V as int16 channel pairs (no SEL_AUX)
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -426,17 +461,22 @@ def dsa_split_kernel(
     if FUSE_PROLOGUE:
         s_new = new_row_logits(q, k_new, MAIN_QK_DTYPE) * qk_row  # [G_PAD] log2 domain
 
-    acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
+    if V_PAIRS:  # the even / odd output channels apart until after the segments
+        acc = tl.zeros([G_PAD, HEAD_PAD // 2], dtype=tl.float32)
+        acc2 = tl.zeros([G_PAD, HEAD_PAD // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([G_PAD, HEAD_PAD], dtype=tl.float32)
+        acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     from_main = split >= 0  # this split reads the main cache (scalar bool)
     if HAS_WINDOW:
         w0 = split * chunk
         w1 = tl.minimum(w0 + chunk, window)  # empty for selected splits
-        acc, m_i, l_i, n_new = _attend_tiles(
-            acc, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
+        acc, acc2, m_i, l_i, n_new = _attend_tiles(
+            acc, acc2, m_i, l_i, n_new, q, kc_base, vc_base, sel_ptr, 0, stride_kcc, stride_vcc, w0,
             w1, w1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos, True, True, False, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC, BLOCK_N,
-            FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8,
+            FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8, V_PAIRS,
         )  # fmt: skip
     cnt = tl.load(cnt_ptr + row * stride_cnt).to(tl.int64)
     j0 = (split - win_splits).to(tl.int64) * chunk
@@ -456,19 +496,21 @@ def dsa_split_kernel(
             qa = q
         else:
             qa = tl.load(qa_ptr + q_offs, mask=q_mask, other=0.0)  # [G_PAD, HEAD_PAD]
-        acc, m_i, l_i, n_new = _attend_tiles(
-            acc, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
+        acc, acc2, m_i, l_i, n_new = _attend_tiles(
+            acc, acc2, m_i, l_i, n_new, qa, ka_base, va_base, idx_row, stride_sel_j, stride_kac,
             stride_vac, j0, j_load, j1, lo, qpos, row_real, aux_len, offs_d, mask_d, qk_scale, new_pos,
             False, False, False, SEL_QK_DTYPE, SEL_QK_PREC, SEL_PV_DTYPE, SEL_PV_PREC,
             BLOCK_N, False, INTERPRET, PREFETCH,
         )  # fmt: skip
     else:
-        acc, m_i, l_i, n_new = _attend_tiles(
-            acc, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
+        acc, acc2, m_i, l_i, n_new = _attend_tiles(
+            acc, acc2, m_i, l_i, n_new, q, kc_base, vc_base, idx_row, stride_sel_j, stride_kcc,
             stride_vcc, j0, j_load, j1, lo, qpos, row_real, cap, offs_d, mask_d, qk_main, new_pos,
             False, True, HAS_WINDOW, MAIN_QK_DTYPE, MAIN_QK_PREC, MAIN_PV_DTYPE, MAIN_PV_PREC,
-            BLOCK_N, FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8,
+            BLOCK_N, FUSE_PROLOGUE, INTERPRET, PREFETCH, WIDE_I8, V_PAIRS,
         )  # fmt: skip
+    if V_PAIRS:
+        acc = interleave_channels(acc, acc2)  # [G_PAD, HEAD_PAD]
 
     if FUSE_PROLOGUE:
         # The new token's row: folded in as many times as it was a candidate (its V loaded
@@ -760,6 +802,9 @@ def dsa_triton(
     ``LONG_SPLIT_PREFETCH`` (bool; on for int8 caches): the same for long splits only
     (``is_long_split``). ``WIDE_I8`` (bool, off): int8 main-cache rows read as int32 words
     (``_load_rows``; kept off where H != HEAD_PAD or the caches are not 4-byte aligned).
+    ``V_PAIRS`` (bool, off): int8 main-cache V read as int16 channel pairs (``_load_row_pairs``;
+    kept off with auxiliary keys, under ``WIDE_I8``, where H != HEAD_PAD, for an fp32 P.V and
+    for a V cache not 2-byte aligned).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
@@ -789,6 +834,7 @@ def dsa_triton(
     wide = cfg_flag(cfg, "WIDE_I8", False, what="DSA cfg")
     head_pad = max(16, next_pow2(h))
     cfg["WIDE_I8"] = wide and h == head_pad and words_aligned(present_key, present_value)
+    v_pairs = cfg_flag(cfg, "V_PAIRS", False, what="DSA cfg")
     fuse = fuse_prologue(cfg, s, use_triton and prepared is None)
     q_scale = None
     if fuse:
@@ -829,6 +875,15 @@ def dsa_triton(
     sel_q = q_plain.dtype if q_plain is not None else q_dtype
     sel_qk = _qk_operands(sel_q, aux_k.dtype) if sel_aux else main_qk
     sel_pv = _pv_operands(sel_q, aux_v.dtype) if sel_aux else main_pv
+    cfg["V_PAIRS"] = (  # the main-cache segments only: no auxiliary segment in the build
+        v_pairs
+        and not cfg["WIDE_I8"]
+        and not sel_aux
+        and h == head_pad
+        and present_value.dtype == torch.int8
+        and main_pv[0] == tl.float16
+        and words_aligned(present_value, word=2)
+    )
     q_any = query if q_rot is None else q_rot  # (a dummy pointer when fused)
     dsa_split_kernel[(splits, kv, rows)](
         **pdl_kwargs(query),
