@@ -378,15 +378,19 @@ _VARIANTS = {
 #   instructions, 127 registers); H100 session 35 2-6% slower (there named "dsa_us" against
 #   "bytes", sparse_cache_int8_wide_session35_h100.json, with s3 and four_per_sm: slower);
 # - wide_four_per_sm: that build capped at 128 registers, 4 programs per SM;
-# - v_pairs: V read as int16 channel pairs (V_PAIRS, session 36; sm_90 SASS 1-stage loop 726
-#   -> 662 instructions, 112 registers), and v_pairs_four_per_sm: capped at 128, 4 per SM.
+# - v_bytes: V read one byte per element (V_PAIRS off; V_PAIRS, V as int16 channel pairs, is
+#   the default since session 36: sm_90 SASS 1-stage loop 726 -> 662 instructions, 112
+#   registers; H100 same process, budget 8192, B=1 S=1 / B=1 S=8 / B=4 S=1 / B=4 S=8 26.53 /
+#   98.34 / 50.11 / 260.03 -> 25.22 / 73.34 / 43.49 / 199.68 us, run as "v_pairs" then,
+#   sparse_cache_v_pairs_session36_h100.json), and v_pairs_four_per_sm: the default capped at
+#   128 registers, 4 programs per SM (28.48 / 73.06 / 42.69 / 199.90 us there).
 # (Older variants, "prev" (uncapped, 2 stages) and "s1" / "s2" / "s3": sparse_cache_h100.json,
 # sparse_cache_prefetch_session34_h100.json.)
 _CACHE_VARIANTS = {
     "long_plain": dict(LONG_SPLIT_PREFETCH=False),
     "wide": dict(WIDE_I8=True),
     "wide_four_per_sm": dict(WIDE_I8=True, maxnreg=128, SM_PROGRAMS=4),
-    "v_pairs": dict(V_PAIRS=True),
+    "v_bytes": dict(V_PAIRS=False),
     "v_pairs_four_per_sm": dict(V_PAIRS=True, maxnreg=128, SM_PROGRAMS=4),
 }
 # ... and of every cache dtype's rows: the split loop's PREFETCH (see the layer section's

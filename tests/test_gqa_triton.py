@@ -435,6 +435,18 @@ def test_decode_int8_v_pairs_interpret(name, flags, device, monkeypatch):
     _assert_within_two_roundings_16bit(pairs, plain)
 
 
+def _shift_int8_caches(monkeypatch):
+    """Every int8 buffer this test builds (``nan_tensor``) starts 1 byte into its storage."""
+    real = nan_tensor
+
+    def shifted(shape, dtype, device):
+        if dtype != torch.int8:
+            return real(shape, dtype, device)
+        return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
+
+    monkeypatch.setitem(globals(), "nan_tensor", shifted)
+
+
 class _KernelSpy:
     """``kernel[grid](**kw)`` that records ``kw`` and launches ``kernel``."""
 
@@ -468,14 +480,7 @@ def test_decode_int8_v_pairs_off_for_an_odd_cache(device, monkeypatch):
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
-    real = nan_tensor
-
-    def shifted(shape, dtype, device):  # int8 caches 1 byte into their storage
-        if dtype != torch.int8:
-            return real(shape, dtype, device)
-        return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
-
-    monkeypatch.setitem(globals(), "nan_tensor", shifted)
+    _shift_int8_caches(monkeypatch)
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
     assert seen and not any(kw["V_PAIRS"] or kw["K_PAIRS"] for kw in seen)
 
@@ -508,14 +513,7 @@ def test_decode_int8_unaligned_cache_takes_the_byte_path(device, monkeypatch):
 
     monkeypatch.setattr(launch, "words_aligned", spy)
     c = DECODE_CASES["sink-window-softcap-int8"]
-    real = nan_tensor
-
-    def shifted(shape, dtype, device):  # int8 caches 1 byte into their storage
-        if dtype != torch.int8:
-            return real(shape, dtype, device)
-        return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
-
-    monkeypatch.setitem(globals(), "nan_tensor", shifted)
+    _shift_int8_caches(monkeypatch)
     _run_and_check(c, device)
     assert seen and not any(seen), seen
 

@@ -402,32 +402,21 @@ def test_gqa_int8_k_pairs_keep_q_in_ldmatrix_operands():
     assert all(loop.get("LDL", 0) == 0 for loop in both["loops"])
 
 
-def test_dsa_int8_wide_rows_cut_the_tile_loop():
-    """``WIDE_I8`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): the
-    gathered rows read as int32 words, V^T by ``ldmatrix.trans``, no per-byte shared loads;
-    the tile loop within 620 instructions (571 at session 35; 726 per byte)."""
+@pytest.mark.parametrize("flag,loop_max", [("WIDE_I8", 620), ("V_PAIRS", 690)])
+def test_dsa_int8_word_reads_cut_the_tile_loop(flag, loop_max):
+    """The int8 DSA read paths of wider words (H=256, BLOCK_N 32, 1 stage at 168 registers):
+    ``WIDE_I8`` (an option: K and V rows as int32 words; 571 instructions at session 35) and
+    ``V_PAIRS`` (the default: V rows as int16 channel pairs; 662 at session 36): V^T by
+    ``ldmatrix.trans``, no per-byte shared loads, the tile loop within ``loop_max`` (726 per
+    byte), at most 128 registers (127 / 112; 4 programs per SM fit)."""
     args = ("dsa-decode", "--cache", "i8", "--stages", "1", "--maxnreg", "168", "--set")
-    wide = _sass(*args, "WIDE_I8=True")
-    old = _sass(*args, "WIDE_I8=False")
-    assert wide["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
-    assert wide["memory"].get("LDSM.16.MT88.4", 0) > 0
-    w, o = (sum(r["loops"][0].values()) for r in (wide, old))
-    assert w <= 620 < o, (w, o)
-
-
-def test_dsa_int8_v_pairs_cut_the_tile_loop():
-    """``V_PAIRS`` (an int8 DSA option, H=256, BLOCK_N 32, 1 stage at 168 registers): V's
-    gathered rows read as int16 channel pairs, by ``ldmatrix.trans``, no per-byte shared
-    loads; the tile loop within 690 instructions (662 at session 36; 726 per byte) and <= 128
-    registers (112; 4 programs per SM fit)."""
-    args = ("dsa-decode", "--cache", "i8", "--stages", "1", "--maxnreg", "168", "--set")
-    pairs = _sass(*args, "V_PAIRS=True")
-    old = _sass(*args, "V_PAIRS=False")
-    assert pairs["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
-    assert pairs["memory"].get("LDSM.16.MT88.4", 0) > 0
-    v, o = (sum(r["loops"][0].values()) for r in (pairs, old))
-    assert v <= 690 < o, (v, o)
-    assert pairs["regs"] <= 128 < old["regs"] and pairs["stack"] == 0
+    new = _sass(*args, f"{flag}=True")
+    old = _sass(*args, f"{flag}=False")
+    assert new["memory"].get("LDS.U8", 0) == 0 < old["memory"].get("LDS.U8", 0)
+    assert new["memory"].get("LDSM.16.MT88.4", 0) > 0
+    n, o = (sum(r["loops"][0].values()) for r in (new, old))
+    assert n <= loop_max < o, (n, o)
+    assert new["regs"] <= 128 < old["regs"] and new["stack"] == 0
 
 
 @pytest.mark.parametrize("head", [128, 256])

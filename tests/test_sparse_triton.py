@@ -754,23 +754,30 @@ def test_dsa_long_split_prefetch_keys_on_the_split_length(splits, long, monkeypa
 @pytest.mark.parametrize("per_channel,h,mode", [(False, 32, "selected_only"),
                                                 (True, 32, "local_plus_selected"),
                                                 (True, 80, "selected_only")])  # fmt: skip
-def test_dsa_int8_wide_rows_match_the_byte_path(per_channel, h, mode, monkeypatch):
+def test_dsa_int8_wide_rows_match_the_default(per_channel, h, mode, monkeypatch):
     """``WIDE_I8`` (an option: main-cache rows read as int32 words, four channels per
-    conversion; auxiliary rows stay float) against the per-byte default: the same caches bit
+    conversion; auxiliary rows stay float) against the default: the same caches bit
     for bit, within two output roundings, within the fp64 tolerance; a padded head (H = 80 <
     HEAD_PAD) launches without it; a non-bool is a ValueError."""
-    seen = _spy_split_launches(monkeypatch, lambda kw: kw["WIDE_I8"])
     kw = build(61 + h, h=h, m=24, s=2, cache_dtype=torch.int8, per_channel=per_channel,
                mode=mode, window=6)  # fmt: skip
-    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton")
-    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton", WIDE_I8=True)
-    assert seen == [False, h == 32], seen
+    _assert_int8_read_option(monkeypatch, "WIDE_I8", kw, h == 32)
+
+
+def _assert_int8_read_option(monkeypatch, flag: str, kw: dict, expect_on: bool, **extra):
+    """An int8 main-cache read option ``flag`` (``WIDE_I8``, ``V_PAIRS``) asked for vs off:
+    the launch takes it only where ``expect_on``; the same caches bit for bit, within two
+    output roundings of each other, within the fp64 tolerance; a non-bool is a ValueError."""
+    seen = _spy_split_launches(monkeypatch, lambda launch_kw: launch_kw[flag])
+    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton", **{flag: False}, **extra)
+    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton", **{flag: True}, **extra)
+    assert seen == [False, expect_on], seen
     assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
     assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
     _assert_within_roundings(got, base, 2)
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton wide int8")
-    with pytest.raises(ValueError, match=r"cfg\['WIDE_I8'\] must be a bool"):
-        _run_with_splits(_clone(kw), 3, WIDE_I8=1)
+    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name=f"dsa triton int8 {flag}")
+    with pytest.raises(ValueError, match=rf"cfg\['{flag}'\] must be a bool"):
+        _run_with_splits(_clone(kw), 3, **{flag: 1})
 
 
 @interpret
@@ -782,23 +789,16 @@ def test_dsa_int8_wide_rows_match_the_byte_path(per_channel, h, mode, monkeypatc
     (True, 80, "selected_only", 2, {}),
 ])  # fmt: skip
 def test_dsa_int8_v_pairs_match_the_byte_path(per_channel, h, mode, s, extra, monkeypatch):
-    """``V_PAIRS`` (an option: int8 main-cache V read as int16 channel pairs, even / odd
-    channels in two dots, interleaved after the segments) against the per-byte default, also
+    """``V_PAIRS`` (the int8 default: main-cache V read as int16 channel pairs, even / odd
+    channels in two dots, interleaved after the segments) against the per-byte build, also
     with ``PREFETCH`` and the fused prologue's new row: the same caches bit for bit, within two
     output roundings, within the fp64 tolerance. Auxiliary keys (local_plus_selected) or a
     padded head (H = 80 < HEAD_PAD) launch without it; a non-bool is a ValueError."""
-    seen = _spy_split_launches(monkeypatch, lambda kw: kw["V_PAIRS"])
+    assert decode.decode_config(h, torch.float16, torch.int8, True)["V_PAIRS"]
     kw = build(71 + h + s, h=h, m=24, s=s, cache_dtype=torch.int8, per_channel=per_channel,
                mode=mode, window=6)  # fmt: skip
-    base, (bk, bv) = _run_with_splits(_clone(kw), 3, prologue="triton", **extra)
-    got, (gk, gv) = _run_with_splits(_clone(kw), 3, prologue="triton", V_PAIRS=True, **extra)
-    assert seen == [False, h == 32 and mode == "selected_only"], seen
-    assert torch.equal(gk.view(torch.uint8), bk.view(torch.uint8))
-    assert torch.equal(gv.view(torch.uint8), bv.view(torch.uint8))
-    _assert_within_roundings(got, base, 2)
-    assert_close_to_fp64(got, truth_of(kw), lowp_dsa(kw), name="dsa triton v_pairs int8")
-    with pytest.raises(ValueError, match=r"cfg\['V_PAIRS'\] must be a bool"):
-        _run_with_splits(_clone(kw), 3, V_PAIRS=1)
+    on = h == 32 and mode == "selected_only"
+    _assert_int8_read_option(monkeypatch, "V_PAIRS", kw, on, **extra)
 
 
 @interpret
@@ -1184,7 +1184,7 @@ def test_gpu_dsa_real_shapes(b, s, h, group, kv, past, cache, mode):
         dict(num_stages=3, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
         dict(num_stages=1, LONG_SPLIT_STAGES=None, LONG_SPLIT_PREFETCH=False),
         dict(BLOCK_N=16, num_stages=3, maxnreg=128, SM_PROGRAMS=4),
-        dict(V_PAIRS=True),  # session 36: V as int16 channel pairs (an option)
+        dict(V_PAIRS=False),  # session 36: V by bytes (V_PAIRS is the default)
         dict(V_PAIRS=True, maxnreg=128, SM_PROGRAMS=4),
     ],
 )

@@ -187,18 +187,23 @@ def int8_to_fp16(t):
     return u.to(tl.float16, bitcast=True) - 1152.0
 
 
-# four int8 in one 32-bit register ($2) -> four exact fp16 in two ($0: bytes 0, 1; $1: 2, 3)
-_INT8X4_TO_FP16_ASM = tl.constexpr(
-    """{
+def _int8_bytes_to_fp16_asm(sel0: str, sel1: str) -> str:
+    """PTX: the four int8 of one 32-bit register ($2) -> two exact fp16 pairs: the bytes that
+    byte-permute selectors ``sel0`` / ``sel1`` pick (0-3) under fp16 exponent bytes 0x64 (4),
+    sign bits flipped first and the 1152 subtracted after (``int8_to_fp16``), into $0 / $1."""
+    return f"""{{
     .reg .b32 u, c;
     xor.b32 u, $2, 0x80808080;
     mov.b32 c, 0x64806480;
-    prmt.b32 $0, u, 0x64646464, 0x4140;
-    prmt.b32 $1, u, 0x64646464, 0x4342;
+    prmt.b32 $0, u, 0x64646464, {sel0};
+    prmt.b32 $1, u, 0x64646464, {sel1};
     sub.f16x2 $0, $0, c;
     sub.f16x2 $1, $1, c;
-}"""
-)
+}}"""
+
+
+# four int8 in one 32-bit register ($2) -> four exact fp16 in two ($0: bytes 0, 1; $1: 2, 3)
+_INT8X4_TO_FP16_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4140", "0x4342"))
 
 
 @triton.jit
@@ -231,18 +236,9 @@ def words_aligned(*caches, word: int = 4) -> bool:
 
 
 # two int16 in one 32-bit register ($2), each holding two int8 (its low byte: an even channel,
-# its high byte: the odd one) -> the even channels as two exact fp16 in $0, the odd ones in $1
-_INT8_PAIRS_TO_FP16_ASM = tl.constexpr(
-    """{
-    .reg .b32 u, c;
-    xor.b32 u, $2, 0x80808080;
-    mov.b32 c, 0x64806480;
-    prmt.b32 $0, u, 0x64646464, 0x4240;
-    prmt.b32 $1, u, 0x64646464, 0x4341;
-    sub.f16x2 $0, $0, c;
-    sub.f16x2 $1, $1, c;
-}"""
-)
+# its high byte: the odd one) -> the even channels as two exact fp16 in $0 (bytes 0, 2), the
+# odd ones in $1 (bytes 1, 3)
+_INT8_PAIRS_TO_FP16_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4240", "0x4341"))
 
 
 @triton.jit
@@ -257,14 +253,17 @@ def int8_pairs_to_fp16(w):
         lo = (w & 0xFF).to(tl.uint8)
         hi = ((w >> 8) & 0xFF).to(tl.uint8)
         return int8_to_fp16(lo), int8_to_fp16(hi)
+    return _fp16_pairs_asm(w, _INT8_PAIRS_TO_FP16_ASM, "=r,=r,r")
+
+
+@triton.jit
+def _fp16_pairs_asm(w, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    """Two fp16 tensors of ``w``'s shape from the pure PTX ``ASM`` run on two elements of
+    ``w`` at a time (one 32-bit register of int16 words; the first of an int32 pair)."""
     return tl.inline_asm_elementwise(
-        asm=_INT8_PAIRS_TO_FP16_ASM,
-        constraints="=r,=r,r",
-        args=[w],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
+        asm=ASM, constraints=CONSTRAINTS, args=[w], dtype=(tl.float16, tl.float16), is_pure=True,
         pack=2,
-    )
+    )  # fmt: skip
 
 
 @triton.jit
@@ -291,14 +290,7 @@ def _int8_words_to_fp16_pairs(w2):
     if _INTERPRET:
         e = tl.arange(0, 2)  # [2]
         return _int8_byte_to_fp16(w2, e), _int8_byte_to_fp16(w2, e + 2)
-    return tl.inline_asm_elementwise(
-        asm=_INT8X4_TO_FP16_ASM,
-        constraints="=r,=r,r,r",
-        args=[w2],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=2,
-    )
+    return _fp16_pairs_asm(w2, _INT8X4_TO_FP16_ASM, "=r,=r,r,r")
 
 
 @triton.jit

@@ -606,10 +606,18 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
 
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
-    if interpret:
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if q_dtype == torch.float32:
+        if interpret:
+            return dict(BLOCK_N=16, num_warps=4, num_stages=1)
         return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
+    # V_PAIRS (int8 main V, fp16 P.V; the launch keeps it for main-cache-only builds with H ==
+    # HEAD_PAD and a 2-byte aligned V cache): V's rows read as int16 channel pairs, P.V as two
+    # half-width dots (_load_row_pairs). H100, same process (session 36,
+    # sparse_cache_v_pairs_session36_h100.json), budget 8192 T=128K, us: B=1 S=1 26.53 ->
+    # 25.22, B=1 S=8 98.34 -> 73.34, B=4 S=1 50.11 -> 43.49, B=4 S=8 260.03 -> 199.68
+    v_pairs = dict(V_PAIRS=True) if cache_dtype == torch.int8 else {}
+    if interpret:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1, **v_pairs)
     # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
     # registers without spills (int8 included); larger tiles spill. H200 sweep (benchmarks/
     # results/tune_dsa_h200.json, H=256 bf16, T=128K): 2 stages are as fast or faster than 3-4
@@ -637,7 +645,8 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
         # registers), but H100 budget 8192 T=128K 2-6% slower (B=1 S=1 27.62 vs 26.46 us, B=1
         # S=8 103.78 vs 98.21, B=4 S=1 51.84 vs 49.98, B=4 S=8 268.51 vs 260.99; session 35,
         # sparse_cache_int8_wide_session35_h100.json)
-        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True)
+        cfg.update(maxnreg=168, SM_PROGRAMS=3, LONG_SPLIT_STAGES=3, LONG_SPLIT_PREFETCH=True,
+                   **v_pairs)  # fmt: skip
         if head > 128:
             cfg["num_stages"] = 1
     return cfg
@@ -802,9 +811,9 @@ def dsa_triton(
     ``LONG_SPLIT_PREFETCH`` (bool; on for int8 caches): the same for long splits only
     (``is_long_split``). ``WIDE_I8`` (bool, off): int8 main-cache rows read as int32 words
     (``_load_rows``; kept off where H != HEAD_PAD or the caches are not 4-byte aligned).
-    ``V_PAIRS`` (bool, off): int8 main-cache V read as int16 channel pairs (``_load_row_pairs``;
-    kept off with auxiliary keys, under ``WIDE_I8``, where H != HEAD_PAD, for an fp32 P.V and
-    for a V cache not 2-byte aligned).
+    ``V_PAIRS`` (bool; on for int8 caches): int8 main-cache V read as int16 channel pairs
+    (``_load_row_pairs``; kept off with auxiliary keys, under ``WIDE_I8``, where H !=
+    HEAD_PAD, for an fp32 P.V and for a V cache not 2-byte aligned).
     """
     b, s = query.shape[:2]
     n, kv, h, g = p.num_heads, p.kv_num_heads, p.head_size, p.group
