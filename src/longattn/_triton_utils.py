@@ -327,7 +327,8 @@ def cache_to_dot(t, DOT_DTYPE: tl.constexpr, KEYS: tl.constexpr):
     int8 -> fp16 skips the I2F unit: K tiles (``KEYS``) reach their MMA operand registers four
     bytes (consecutive channels) per register, which ``int8x4_to_fp16`` converts in 5
     instructions; V tiles arrive one byte per register (key-major pairs), where the
-    per-element ``int8_to_fp16`` is cheaper."""
+    per-element ``int8_to_fp16`` is cheaper (the byte path: the decode kernels' ``V_PAIRS``
+    default reads V as int16 channel pairs instead, ``int8_pairs_to_fp16``)."""
     if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
         if KEYS:
             return int8x4_to_fp16(t)
