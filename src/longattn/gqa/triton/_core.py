@@ -118,8 +118,10 @@ def scores(
 
 
 @triton.jit
-def scores_pairs(q_e, q_o, k_e, k_o, qk_scale, row_scale, softcap_mult, bias,
-                 HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+def scores_pairs(
+    q_e, q_o, k_e, k_o, qk_scale, row_scale, softcap_mult, bias, HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """``scores`` with Q and K in even / odd channel halves (``[M, HEAD // 2]``, ``[BLOCK_N,
     HEAD // 2]``; ``load_int8_pairs``): two dots of half depth into one fp32 product."""
     qk = tl.dot(q_e, tl.trans(k_e), input_precision=DOT_PREC)  # [M, BLOCK_N] fp32

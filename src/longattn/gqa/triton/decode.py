@@ -60,9 +60,9 @@ from ._core import (
 
 @triton.jit
 def _decode_block(
-    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start_n, end,
-    window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
-    qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
+    start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+    stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
@@ -114,9 +114,9 @@ def _decode_block(
 
 @triton.jit
 def _decode_range(
-    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo, hi, end,
-    window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s, stride_bias_t,
-    qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, lo,
+    hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
+    stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr,
@@ -131,8 +131,8 @@ def _decode_range(
         start_n = lo
         while start_n < hi:
             acc, acc2, m_i, l_i = _decode_block(
-                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
-                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
+                b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
                 V_PAIRS, K_PAIRS,
@@ -141,8 +141,8 @@ def _decode_range(
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, acc2, m_i, l_i = _decode_block(
-                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64,
-                start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+                acc, acc2, m_i, l_i, q, q2, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
+                b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
                 V_PAIRS, K_PAIRS,
@@ -281,20 +281,20 @@ def _split_part(
         full_end = start
     full_hi = start + tl.maximum(full_end - start, 0) // BLOCK_N * BLOCK_N
     acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, start,
-        full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
-        stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=False,
-        HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
-        V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
+        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
+        b64, start, full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+        stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD,
+        BLOCK_N=BLOCK_N, MASKED=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE,
+        INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
     )  # fmt: skip
     acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr, b64, full_hi,
-        end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n, stride_bias_s,
-        stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=True,
-        HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE,
-        DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8,
-        V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
+        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
+        b64, full_hi, end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
+        stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD,
+        BLOCK_N=BLOCK_N, MASKED=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE,
+        INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
     )  # fmt: skip
     if V_PAIRS:
         acc = interleave_channels(acc, acc2)  # [ROWS_PAD, HEAD]
