@@ -280,22 +280,22 @@ def _split_part(
     if HAS_WINDOW:
         full_end = start
     full_hi = start + tl.maximum(full_end - start, 0) // BLOCK_N * BLOCK_N
-    acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
-        b64, start, full_hi, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-        stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD,
-        BLOCK_N=BLOCK_N, MASKED=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE,
-        INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-    )  # fmt: skip
-    acc, acc2, m_i, l_i = _decode_range(
-        acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base, bias_ptr,
-        b64, full_hi, end, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
-        stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD=HEAD,
-        BLOCK_N=BLOCK_N, MASKED=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC, PV_DTYPE=PV_DTYPE,
-        INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-    )  # fmt: skip
+    for masked in tl.static_range(2):  # the whole unmasked tiles, then the masked rest
+        if masked == 0:
+            lo = start
+            hi = full_hi
+        else:
+            lo = full_hi
+            hi = end
+        acc, acc2, m_i, l_i = _decode_range(
+            acc, acc2, m_i, l_i, q_lo, q_hi, qpos, row_ok, s_idx, n_idx, k_base, v_base,
+            bias_ptr, b64, lo, hi, end, window, stride_kc, stride_vc, stride_bias_b,
+            stride_bias_n, stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult,
+            HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=masked == 1, HAS_WINDOW=HAS_WINDOW,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
+            PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
+            K_PAIRS=K_PAIRS,
+        )  # fmt: skip
     if V_PAIRS:
         acc = interleave_channels(acc, acc2)  # [ROWS_PAD, HEAD]
 
