@@ -235,6 +235,13 @@ def words_aligned(*caches, word: int = 4) -> bool:
     )
 
 
+def int8_pairs_ok(cache, fp16_operand: bool) -> bool:
+    """Whether an int8 cache ``[B, KV, C, H]`` may feed an fp16 dot operand read as int16
+    channel pairs (the decode kernels' ``V_PAIRS`` / ``K_PAIRS``): int8, an fp16 operand, and
+    2-byte aligned rows (``words_aligned``)."""
+    return cache.dtype == torch.int8 and fp16_operand and words_aligned(cache, word=2)
+
+
 # two int16 in one 32-bit register ($2), each holding two int8 (its low byte: an even channel,
 # its high byte: the odd one) -> the even channels as two exact fp16 in $0 (bytes 0, 2), the
 # odd ones in $1 (bytes 1, 3)

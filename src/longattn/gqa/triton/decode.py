@@ -526,17 +526,17 @@ def decode_config(head: int, dot_dtype, cache_dtype, interpret: bool, pairs: int
     the 255-register limit (~200 register moves per tile), and V's bytes reach the P.V MMA
     layout one byte-load each (key-major pairs); BLOCK_N 64 or 8 warps issue more per key.
     ``V_PAIRS`` (default for int8 since session 36) reads V as int16 channel pairs instead."""
-    if dot_dtype.itemsize == 4:
-        return dict(BLOCK_N=16 if interpret else 32, num_warps=4, num_stages=1 if interpret else 2)
     # V_PAIRS (int8 V with the fp16 P.V dot; run_decode keeps it for 2-byte aligned V caches):
     # the V tile read as int16 channel pairs into two dots (_core.load_int8_pairs), sm_90 SASS
     # BLOCK_N 128: 1023 -> 762 instructions per tile (fused prologue 993 -> 741), no per-byte
     # shared loads. H100, same process (session 36, gqa_cache_v_pairs_session36_h100.json),
     # T=128K B=1 / 8 / 32: 102.6 / 715.4 / 2757.8 -> 98.6 / 691.6 / 2701.4 us (int8 vs bf16
     # 1.76 / 1.89 / 1.94x -> 1.83 / 1.96 / 1.98x)
-    v_pairs = dict(V_PAIRS=True) if cache_dtype == torch.int8 else {}
+    v_pairs = dict(V_PAIRS=True) if cache_dtype == torch.int8 and dot_dtype.itemsize == 2 else {}
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, **v_pairs)
+    if dot_dtype.itemsize == 4:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     block_n = 64 if head <= 128 else 32
     if cache_dtype == torch.int8:
         # WIDE_I8 (an option, off): the tiles read as int32 words and converted in a blocked

@@ -27,6 +27,7 @@ from ..._triton_utils import (
     cfg_flag,
     device_sms,
     gluon_hopper_enabled,
+    int8_pairs_ok,
     next_pow2,
     pdl_kwargs,
     tma_ok,
@@ -466,10 +467,11 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     ``default_cfg``: ``cfg`` is ``decode_config``'s (default: ``cfg is None``); only then may
     the int8 plan switch to the balanced grid. ``cfg["WIDE_I8"]`` (bool, off): int8 tiles read
     as int32 words (``_core.load_kv_tile``), kept off for caches not 4-byte aligned.
-    ``cfg["V_PAIRS"]`` (bool, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs
-    (``_core.load_int8_pairs``), kept off for a V cache not 2-byte aligned and under
-    ``WIDE_I8``; ``cfg["K_PAIRS"]`` (bool, off): the int8 K cache too (fp16 Q.K dot), Q split
-    into its even / odd channels, same conditions for K."""
+    ``cfg["V_PAIRS"]`` (bool; ``decode_config`` turns it on for int8 caches): an int8 V cache
+    (fp16 P.V dot) read as int16 channel pairs (``_core.load_int8_pairs``), kept off for a V
+    cache not 2-byte aligned and under ``WIDE_I8`` (``int8_pairs_ok``); ``cfg["K_PAIRS"]``
+    (bool, off): the int8 K cache too (fp16 Q.K dot), Q split into its even / odd channels,
+    same conditions for K."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -487,22 +489,11 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     span = max(span, 1)
     wide = cfg_flag(cfg, "WIDE_I8", False, what="decode cfg")
     cfg["WIDE_I8"] = wide and words_aligned(present_key, present_value)
-    pairs_on = cfg_flag(cfg, "V_PAIRS", False, what="decode cfg")
-    cfg["V_PAIRS"] = (
-        pairs_on
-        and not cfg["WIDE_I8"]
-        and present_value.dtype == torch.int8
-        and pv_dtype_for(dot, present_value.dtype) == torch.float16
-        and words_aligned(present_value, word=2)
-    )
-    k_pairs = cfg_flag(cfg, "K_PAIRS", False, what="decode cfg")
-    cfg["K_PAIRS"] = (
-        k_pairs
-        and not cfg["WIDE_I8"]
-        and present_key.dtype == torch.int8
-        and dot == torch.float16
-        and words_aligned(present_key, word=2)
-    )
+    pv_fp16 = pv_dtype_for(dot, present_value.dtype) == torch.float16
+    for key, cache, fp16_dot in (("V_PAIRS", present_value, pv_fp16),
+                                 ("K_PAIRS", present_key, dot == torch.float16)):  # fmt: skip
+        on = cfg_flag(cfg, key, False, what="decode cfg")
+        cfg[key] = on and not cfg["WIDE_I8"] and int8_pairs_ok(cache, fp16_dot)
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)

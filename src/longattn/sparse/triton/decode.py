@@ -55,6 +55,7 @@ from ..._triton_utils import (
     cache_to_dot,
     cdiv,
     cfg_flag,
+    int8_pairs_ok,
     int8_pairs_to_fp16,
     int8_words_to_fp16,
     interleave_channels,
@@ -194,17 +195,23 @@ def _load_rows(base, pos, ok, stride, offs_d, mask_d, WIDE_I8: tl.constexpr = Fa
     WIDE: tl.constexpr = WIDE_I8 and base.dtype.element_ty == tl.int8
     HEAD_PAD: tl.constexpr = offs_d.shape[0]
     if WIDE:  # int32 words of 4 channels: [BLOCK_N, HEAD_PAD // 4] (HEAD == HEAD_PAD)
-        base = base.to(tl.pointer_type(tl.int32))
-        cols = tl.arange(0, HEAD_PAD // 4)
-        stride = stride // 4
-        ld_mask = ok[:, None]
+        w = _load_row_words(base, pos, ok, stride, HEAD_PAD, tl.int32)
+        t = int8_words_to_fp16(w, pos.shape[0], HEAD_PAD)
     else:
-        cols = offs_d
         ld_mask = ok[:, None] & mask_d[None, :]  # [BLOCK_N, HEAD_PAD]
-    t = tl.load(base + (pos[:, None] * stride + cols[None, :]), mask=ld_mask, other=0)
-    if WIDE:
-        t = int8_words_to_fp16(t, pos.shape[0], HEAD_PAD)
+        t = tl.load(base + (pos[:, None] * stride + offs_d[None, :]), mask=ld_mask, other=0)
     return t
+
+
+@triton.jit
+def _load_row_words(base, pos, ok, stride, HEAD_PAD: tl.constexpr, WORD: tl.constexpr):
+    """int8 cache rows ``pos`` where ``ok`` (zeros elsewhere) read as ``WORD`` (int16 / int32)
+    words: ``[BLOCK_N, HEAD_PAD // word_bytes]`` (HEAD == HEAD_PAD; the host checks that the
+    base and ``stride`` are multiples of the word)."""
+    STEP: tl.constexpr = WORD.primitive_bitwidth // 8  # channels per word
+    cols = tl.arange(0, HEAD_PAD // STEP)  # [HEAD_PAD // STEP]
+    ptrs = base.to(tl.pointer_type(WORD)) + (pos[:, None] * (stride // STEP) + cols[None, :])
+    return tl.load(ptrs, mask=ok[:, None], other=0)
 
 
 @triton.jit
@@ -212,10 +219,7 @@ def _load_row_pairs(base, pos, ok, stride, HEAD_PAD: tl.constexpr):
     """``V_PAIRS``: int8 cache rows ``pos`` where ``ok`` (zeros elsewhere) read as int16 words
     of two channels and returned as exact fp16 halves ``(even, odd)``, each ``[BLOCK_N,
     HEAD_PAD // 2]`` (HEAD == HEAD_PAD; the host checks 2-byte alignment)."""
-    base = base.to(tl.pointer_type(tl.int16))
-    cols = tl.arange(0, HEAD_PAD // 2)  # [HEAD_PAD // 2]
-    w = tl.load(base + (pos[:, None] * (stride // 2) + cols[None, :]), mask=ok[:, None], other=0)
-    return int8_pairs_to_fp16(w)
+    return int8_pairs_to_fp16(_load_row_words(base, pos, ok, stride, HEAD_PAD, tl.int16))
 
 
 @triton.jit
@@ -606,18 +610,16 @@ def decode_config(head: int, q_dtype, cache_dtype, interpret: bool) -> dict:
 
     Gathered rows are ``HEAD * itemsize`` contiguous bytes each; ~16 KiB of K per tile.
     """
-    if q_dtype == torch.float32:
-        if interpret:
-            return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-        return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
     # V_PAIRS (int8 main V, fp16 P.V; the launch keeps it for main-cache-only builds with H ==
     # HEAD_PAD and a 2-byte aligned V cache): V's rows read as int16 channel pairs, P.V as two
     # half-width dots (_load_row_pairs). H100, same process (session 36,
     # sparse_cache_v_pairs_session36_h100.json), budget 8192 T=128K, us: B=1 S=1 26.53 ->
     # 25.22, B=1 S=8 98.34 -> 73.34, B=4 S=1 50.11 -> 43.49, B=4 S=8 260.03 -> 199.68
-    v_pairs = dict(V_PAIRS=True) if cache_dtype == torch.int8 else {}
+    v_pairs = dict(V_PAIRS=True) if cache_dtype == torch.int8 and q_dtype != torch.float32 else {}
     if interpret:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, **v_pairs)
+    if q_dtype == torch.float32:
+        return dict(BLOCK_N=16 if head > 128 else 32, num_warps=4, num_stages=2)
     # sm_90 compile (offline): H=256/BLOCK_N=32 and H<=128/BLOCK_N=64 at 4 warps use <= ~240
     # registers without spills (int8 included); larger tiles spill. H200 sweep (benchmarks/
     # results/tune_dsa_h200.json, H=256 bf16, T=128K): 2 stages are as fast or faster than 3-4
@@ -889,9 +891,7 @@ def dsa_triton(
         and not cfg["WIDE_I8"]
         and not sel_aux
         and h == head_pad
-        and present_value.dtype == torch.int8
-        and main_pv[0] == tl.float16
-        and words_aligned(present_value, word=2)
+        and int8_pairs_ok(present_value, main_pv[0] == tl.float16)
     )
     q_any = query if q_rot is None else q_rot  # (a dummy pointer when fused)
     dsa_split_kernel[(splits, kv, rows)](
