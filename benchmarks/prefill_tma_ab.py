@@ -44,11 +44,6 @@ def variants(h: int) -> list[tuple[str, dict]]:
             ("gluon_static_q1", _gl(DYNAMIC=False, ORDER=0, Q_SLOTS=1))]  # fmt: skip
     out += [
         ("gluon_epi_4byte", _gl(EPILOGUE_SMEM=False)),  # 4-byte stores from the accumulator
-        ("gluon_kv_first", _gl(KV_FIRST=True)),  # K/V tiles before the Q slot wait
-        ("gluon_skip", _gl(SKIP_MASKED=True)),  # diagonal tiles past a warpgroup's rows unread
-        ("gluon_kvw16", _gl(KV_WINDOW_BYTES=16 << 20)),  # windows of KV heads up to 16 MiB K/V
-        ("gluon_skip_kvw16", _gl(SKIP_MASKED=True, KV_WINDOW_BYTES=16 << 20)),
-        ("gluon_q_early", _gl(EPILOGUE_SMEM=False, Q_EARLY=True)),  # vs gluon_epi_4byte
     ]
     return out
 

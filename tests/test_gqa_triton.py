@@ -870,12 +870,6 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "dynamic_row_major",
         "head_major",
         "epilogue_4byte",
-        "kv_first",
-        "skip_masked",
-        "skip_masked_bn64",
-        "q_early",
-        "q_early_skip_bn64",
-        "kv_window3",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -888,18 +882,10 @@ def test_prefill_gluon_gpu(name, variant, device):
                 one_item_per_cta=dict(PERSISTENT=False, DYNAMIC=False, Q_SLOTS=1),
                 static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
                 dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1),
-                epilogue_4byte=dict(EPILOGUE_SMEM=False),
-                kv_first=dict(KV_FIRST=True), skip_masked=dict(SKIP_MASKED=True),
-                skip_masked_bn64=dict(SKIP_MASKED=True, BLOCK_N=64),
-                q_early=dict(EPILOGUE_SMEM=False, Q_EARLY=True, Q_SLOTS=1),
-                q_early_skip_bn64=dict(EPILOGUE_SMEM=False, Q_EARLY=True, SKIP_MASKED=True,
-                                       BLOCK_N=64),
-                kv_window3={})[variant]  # fmt: skip
+                epilogue_4byte=dict(EPILOGUE_SMEM=False))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)
-    if variant == "kv_window3":  # windows of 3 KV heads (a partial last one where B * KV = 4, 8)
-        over = dict(KV_WINDOW_BYTES=3 * 2 * p.total_sequence_length * c.h * c.act.itemsize)
     assert launch.prefill_gluon_fits(p, q_rot, pk, pv, out, None)
     orig = launch.prefill_gluon_config
     try:
@@ -919,15 +905,6 @@ def test_tma_gate_needs_16_byte_aligned_strides_and_base(device):
     odd = torch.zeros(2, 4, 64, 131, dtype=torch.bfloat16, device=device)[..., :128]
     assert not tma_ok(odd)  # row stride 262 B
     assert not tma_ok(cache.transpose(2, 3))  # last dimension not contiguous
-
-
-def test_prefill_gluon_q_early_needs_the_4byte_epilogue():
-    """Q_EARLY frees the Q tile after the last QK^T, but the shared-memory epilogue writes the
-    output rows through that tile: the pair is refused before anything launches."""
-    pytest.importorskip("triton.experimental.gluon")
-    q_rot = torch.empty(1, 128, 8, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="Q_EARLY needs EPILOGUE_SMEM=False"):
-        launch.run_prefill_gluon(q_rot, None, None, None, None, None, dict(Q_EARLY=True))
 
 
 @pytest.mark.gpu

@@ -95,9 +95,6 @@ def test_int8_prefill_row_scale_costs_no_multiply_per_logit():
         "HEAD=256,BLOCK_N=64,Q_SLOTS=1",
         "HEAD=128,BLOCK_N=128,DYNAMIC=False",
         "HEAD=128,BLOCK_N=128,EPILOGUE_SMEM=False",
-        "HEAD=256,BLOCK_N=64,Q_SLOTS=1,KV_FIRST=True",
-        "HEAD=256,BLOCK_N=64,Q_SLOTS=1,SKIP_MASKED=True",
-        "HEAD=256,BLOCK_N=64,Q_SLOTS=1,EPILOGUE_SMEM=False,Q_EARLY=True,SKIP_MASKED=True",
     ],
 )
 def test_prefill_gluon_compiles_warp_specialized(shape):

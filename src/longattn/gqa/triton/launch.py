@@ -319,20 +319,11 @@ def prefill_gluon_config(head: int) -> dict:
     ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through the item's freed Q
     tile in shared memory as 16-byte stores instead of the accumulator layout's 4-byte ones
     (H200, same process, ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at
-    every measured shape, H=128 and 256, S=2K..32K; the default since). KV_FIRST: the producer
-    issues an item's first STAGES K/V tiles before it waits for the item's Q slot (with one Q
-    slot, H=256, that wait lasts until the consumers' epilogue of the previous item).
-    KV_WINDOW_BYTES: ORDER 2's window of KV heads whose K/V (2 * total length * H elements
-    each) fit these bytes (0: one KV head per window): wider windows leave lighter last items
-    (a makespan model of B=8 S=2K: 97.3% of the work's mean per CTA with one KV head, 99.5%
-    with 8). SKIP_MASKED: at BLOCK_N 64 the first warpgroup's last tile on the diagonal is past
-    all its rows; the warpgroup releases it unread. Q_EARLY (only with 4-byte stores, since
-    EPILOGUE_SMEM writes through the Q tile): each warpgroup frees its Q tile after its last
-    QK^T, so with one Q slot the next item's Q loads during the last P.V and the epilogue."""
+    every measured shape, H=128 and 256, S=2K..32K; the default since)."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
-                PERSISTENT=True, DYNAMIC=True, ORDER=2, EPILOGUE_SMEM=True,
-                KV_FIRST=False, KV_WINDOW_BYTES=0, SKIP_MASKED=False, Q_EARLY=False)  # fmt: skip
+                PERSISTENT=True, DYNAMIC=True, ORDER=2,
+                EPILOGUE_SMEM=True)  # fmt: skip
 
 
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
@@ -346,12 +337,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
 
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
-    if cfg["Q_EARLY"] and cfg["EPILOGUE_SMEM"]:
-        raise ValueError("prefill_gluon cfg: Q_EARLY needs EPILOGUE_SMEM=False (the shared-memory "
-                         "epilogue writes the output rows through the Q tile)")  # fmt: skip
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
-    group_bytes = 2 * p.total_sequence_length * h * present_key.element_size()  # a KV head's K/V
-    kv_window = max(1, min(b * p.kv_num_heads, cfg.pop("KV_WINDOW_BYTES") // group_bytes))
     q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
 
     def smem():  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
@@ -388,7 +374,6 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         s,
         max(p.local_window_size, 0),
         b * n,
-        kv_window,
         out.stride(0),
         out.stride(1),
         qk_scale,

@@ -29,7 +29,11 @@ FA3's explicit intra-warpgroup overlap (softmax of tile j during PV of j-1; 2-9%
 inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
 sequence length (slower in 5 of 6 shapes), three consumer warpgroups with BLOCK_N 64 (-5 to
 +2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%), Q as the register
-A operand of QK^T (8-9% slower at H = 128, and its output was wrong; not debugged).
+A operand of QK^T (8-9% slower at H = 128, and its output was wrong; not debugged). Session 37
+(H100, ``prefill_gluon_options_session37_h100.json``; the code is commit 7b041de): an item's
+first K/V tiles before the wait for its Q slot, the first warpgroup skipping the diagonal tile
+past its rows (BLOCK_N 64), ORDER 2 over windows of KV heads (a lighter tail), and Q freed after
+the last QK^T (4-byte stores): none beyond the run's noise.
 
 Grid: (G,) with G <= cdiv(S, 128) * B * N. Gluon has no interpreter:
 the kernel is checked on the GPU against the fp64 reference, and its sm_90 compile in CI
@@ -75,16 +79,14 @@ def _row_store_layout(head):
 
 
 @gluon.jit
-def _item_head(w, n_bn, n_m, kv_window, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+def _item_head(w, n_bn, n_m, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                ORDER: gl.constexpr):  # fmt: skip
     """Work item ``w`` as (b, n, m0): rows [m0, m0 + 128) of head n of sequence b
     (n_bn = B * N, n_m = cdiv(S, 128)). Every order takes a head's row blocks heaviest (last)
     first. ORDER 0: every (b, n)'s last row block, then every one's block before, ...;
-    1: every row block of head (0, 0), then of (0, 1), ...; 2: windows of ``kv_window`` KV
-    heads (the last window may be smaller), each window's row blocks heaviest first with the
-    query heads of its KV heads interleaved (their items at row block m are adjacent). With 1
-    and 2, CTAs that run together read the K/V of one window, which stays in L2; the last items
-    are light, and a wider window makes the last ones lighter (more items per row block)."""
+    1: every row block of head (0, 0), then of (0, 1), ...; 2: as 1, with the GROUP heads of
+    one KV head interleaved (their items at row block m are adjacent). With 1 and 2, CTAs that
+    run together read one KV head's K/V, which stays in L2, and the last items are light."""
     if ORDER == 0:
         pid_m = n_m - 1 - w // n_bn
         pid_bn = w % n_bn
@@ -92,12 +94,9 @@ def _item_head(w, n_bn, n_m, kv_window, NUM_HEADS: gl.constexpr, GROUP: gl.const
         pid_m = n_m - 1 - w % n_m
         pid_bn = w // n_m
     else:
-        per_win = n_m * GROUP * kv_window  # items of a full window
-        win = w // per_win
-        heads = GROUP * gl.minimum(kv_window, n_bn // GROUP - win * kv_window)  # in this window
-        r = w - win * per_win
-        pid_m = n_m - 1 - r // heads
-        pid_bn = win * GROUP * kv_window + r % heads
+        per_kv = n_m * GROUP
+        pid_m = n_m - 1 - (w % per_kv) // GROUP
+        pid_bn = (w // per_kv) * GROUP + w % GROUP
     return pid_bn // NUM_HEADS, pid_bn % NUM_HEADS, pid_m * (2 * ROWS_PER_WG)
 
 
@@ -156,57 +155,27 @@ def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, kvh, kv_lo,
-                   kv_hi, n_tiles, j_lo, j_hi, it, BLOCK_N: gl.constexpr, HEAD: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
-    """Producer: K/V tiles j_lo .. j_hi - 1 of an item into ring slots ``it % STAGES``, ... (each
-    once both consumers released the slot's previous tile); returns the next tile counter."""
-    tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
-    for j in range(j_lo, j_hi):
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
-        mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-        mbarrier.expect(k_ready.index(slot), tile_bytes)
-        mbarrier.expect(v_ready.index(slot), tile_bytes)
-        k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
-        v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot), k_dst)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot), v_dst)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len, window, n_bn, n_m,
-    kv_window, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
+    q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
     HAS_WINDOW: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
-    KV_FIRST: gl.constexpr,
 ):  # fmt: skip
     """One warp: per work item (claimed by ``_claim``), its (b, n, m0, total_len) for the consumers
-    and its two Q tiles (once both consumers released the previous item's), then its K/V tiles
-    (``_load_kv_tiles``). KV_FIRST: the item's first STAGES K/V tiles go before the wait for
-    the Q slot, so with one Q slot they load while the consumers finish the previous item
-    (its epilogue included) instead of after its Q. Past the last item, b = -1 tells the
-    consumers to stop."""
+    and its two Q tiles (once both consumers released the previous item's), then K/V tile j
+    into ring slot ``it % STAGES`` (``it`` counts tiles across items) once both consumers
+    released the slot's previous tile. Past the last item, b = -1 tells the consumers to stop."""
+    tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
     it = 0
     item = 0
     w = _claim(gl.program_id(0) - gl.num_programs(0), counter_ptr, DYNAMIC)
     while w < n_bn * n_m:
-        b, n, m0 = _item_head(w, n_bn, n_m, kv_window, NUM_HEADS, GROUP, ORDER)
+        b, n, m0 = _item_head(w, n_bn, n_m, NUM_HEADS, GROUP, ORDER)
         total_len = load_total_len(seqlens_ptr, b, max_total)
         offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
             total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
         kvh = n // GROUP
-        n_early = 0
-        if KV_FIRST:
-            n_early = gl.minimum(n_tiles, STAGES)
-        it = _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, kvh,
-                            kv_lo, kv_hi, n_tiles, 0, n_early, it, BLOCK_N, HEAD,
-                            STAGES)  # fmt: skip
         q_row = b * seq_len + m0
         qs = item % Q_SLOTS
         mbarrier.wait(q_empty.index(qs), ((item // Q_SLOTS) & 1) ^ 1)  # fresh: passes at once
@@ -216,9 +185,20 @@ def _producer(
                                         q_smem.index(2 * qs))  # fmt: skip
         tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, n * HEAD],
                                         q_bar.index(qs), q_smem.index(2 * qs + 1))  # fmt: skip
-        it = _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, b, kvh,
-                            kv_lo, kv_hi, n_tiles, n_early, n_tiles, it, BLOCK_N, HEAD,
-                            STAGES)  # fmt: skip
+        for j in range(n_tiles):
+            slot = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+            mbarrier.expect(k_ready.index(slot), tile_bytes)
+            mbarrier.expect(v_ready.index(slot), tile_bytes)
+            k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
+            v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot),
+                                            k_dst)  # fmt: skip
+            tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot),
+                                            v_dst)  # fmt: skip
+            it += 1
         item += 1
         w = _claim(w, counter_ptr, DYNAMIC)
     qs = item % Q_SLOTS
@@ -256,38 +236,14 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
 
 
 @gluon.jit
-def _tiles_in_reach(kv_lo, kv_hi, n_tiles, r_hi, BLOCK_N: gl.constexpr):
-    """How many of an item's n_tiles tiles start at or before key r_hi (a warpgroup's last
-    row): the tiles past it are wholly hidden from its rows by the causal mask. Tile starts
-    grow with j, so those tiles are the last ones (at BLOCK_N 64, the first warpgroup's last
-    tile on the diagonal)."""
-    reach = gl.where(r_hi >= kv_lo, (r_hi - kv_lo) // BLOCK_N + 1, 0)  # j: kv_lo + j BN <= r_hi
-    return gl.where(kv_hi - BLOCK_N <= r_hi, n_tiles, gl.minimum(reach, n_tiles - 1))
-
-
-@gluon.jit
-def _release_unread(it, n_use, n_tiles, k_ready, kv_empty, STAGES: gl.constexpr):
-    """A warpgroup's share of freeing the ring slots of tiles n_use .. n_tiles - 1, which its
-    rows do not see; it waits for each tile's K first (the producer issued that tile, so the
-    slot's previous tile was released by both consumers and this arrival counts for this one)."""
-    for _ in range(n_use, n_tiles):
-        slot = it % STAGES
-        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(slot), count=1)
-        it += 1
-    return it
-
-
-@gluon.jit
 def _attend(
-    it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, n_use, window, qk_scale,
-    softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty, q_free,
+    it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
+    softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, Q_EARLY: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
-    """Online softmax of one warpgroup's 64 rows over the first n_use of the item's n_tiles K/V
-    tiles (ring slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64],
-    it). Q_EARLY: the Q tile is released (``q_free``) right after the last tile's QK^T."""
+    """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
+    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -297,7 +253,7 @@ def _attend(
     m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
-    for j in range(n_use):
+    for j in range(n_tiles):
         slot = it % STAGES
         phase = (it // STAGES) & 1
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
@@ -305,9 +261,6 @@ def _attend(
         qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
-        if Q_EARLY:
-            if j == n_use - 1:
-                mbarrier.arrive(q_free, count=1)  # this warpgroup's Q tile is free
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
@@ -334,15 +287,13 @@ def _consumer(
     NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
-    EPILOGUE_SMEM: gl.constexpr, SKIP_MASKED: gl.constexpr, Q_EARLY: gl.constexpr,
+    EPILOGUE_SMEM: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
     producer loads the next item); EPILOGUE_SMEM: the rows pass through the item's Q tile
     (released after) to leave as 16-byte row-contiguous stores instead of the accumulator
-    layout's 4-byte ones. SKIP_MASKED: tiles wholly past the warpgroup's rows are not read
-    (``_tiles_in_reach``), only released (``_release_unread``). Q_EARLY (4-byte stores only):
-    the Q tile is released after the last QK^T instead of after the loop."""
+    layout's 4-byte ones."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -356,23 +307,12 @@ def _consumer(
         r0 = m0 + WG * ROWS_PER_WG
         qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
         qs = item % Q_SLOTS
-        r_hi = offset + r0 + ROWS_PER_WG - 1
-        n_use = n_tiles
-        if SKIP_MASKED:
-            n_use = _tiles_in_reach(kv_lo, kv_hi, n_tiles, r_hi, BLOCK_N)
         acc, m_i, l_i, it = _attend(
-            it, q_smem.index(2 * qs + WG), qpos, offset + r0, r_hi, kv_lo, kv_hi, n_tiles, n_use,
-            window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
-            q_empty.index(qs), HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP,
-            Q_EARLY)  # fmt: skip
-        if SKIP_MASKED:
-            it = _release_unread(it, n_use, n_tiles, k_ready, kv_empty, STAGES)
+            it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
+            kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
+            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         if not EPILOGUE_SMEM:
-            if Q_EARLY:
-                if n_use == 0:
-                    mbarrier.arrive(q_empty.index(qs), count=1)  # no tile read Q
-            else:
-                mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
+            mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
         l_i = gl.convert_layout(l_i, row_o)
         if HAS_SINK:
@@ -424,7 +364,6 @@ def gqa_prefill_gluon_kernel(
     seq_len,
     window,
     n_bn,  # B * N
-    kv_window,  # ORDER 2: KV heads per window of the work order (see _item_head)
     stride_ob,
     stride_os,
     qk_scale,  # scale * log2(e), or scale / softcap with softcap
@@ -444,9 +383,6 @@ def gqa_prefill_gluon_kernel(
     ORDER: gl.constexpr,  # work order: 0 row blocks, 1 heads, 2 KV groups (see _item_head)
     DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
-    KV_FIRST: gl.constexpr,  # an item's first K/V tiles before its Q slot wait (_producer)
-    SKIP_MASKED: gl.constexpr,  # a warpgroup skips tiles wholly past its rows (_tiles_in_reach)
-    Q_EARLY: gl.constexpr,  # Q tiles released after the item's last QK^T (not EPILOGUE_SMEM)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -475,17 +411,16 @@ def gqa_prefill_gluon_kernel(
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
                          IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM, SKIP_MASKED, Q_EARLY)),
+                         EPILOGUE_SMEM)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
                          IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM, SKIP_MASKED, Q_EARLY)),
+                         EPILOGUE_SMEM)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
-                         window, n_bn, n_m, kv_window, q_smem, k_smem, v_smem, info, q_bar,
-                         q_empty, k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
-                         STAGES, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, ORDER, DYNAMIC,
-                         KV_FIRST)),
+                         window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
+                         k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES,
+                         Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, ORDER, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
