@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import traceback
 
 try:
     import torch
@@ -88,6 +89,7 @@ def pytest_runtest_call(item):
         return
     if not _out_of_memory(outcome.excinfo[1]):
         return
+    traceback.clear_frames(outcome.excinfo[2])  # the failed try's tensors, held by its frames
     _flock("memory", fcntl.LOCK_UN)
     _flock("turnstile", fcntl.LOCK_EX)
     _flock("memory", fcntl.LOCK_EX)
