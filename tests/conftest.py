@@ -98,10 +98,12 @@ def pytest_runtest_call(item):
         gc.collect()
         torch.cuda.empty_cache()
         item.runtest()
+    except BaseException as exc:  # the re-run's own outcome (a failure, a skip) is reported
+        if not hasattr(outcome, "force_exception"):  # pluggy < 1.1
+            raise
+        outcome.force_exception(exc)
+    else:
         outcome.force_result(None)
-    except Exception as exc:  # the re-run's own failure is the one to report
-        if hasattr(outcome, "force_exception"):  # pluggy >= 1.1
-            outcome.force_exception(exc)
     finally:
         _flock("memory", fcntl.LOCK_SH)
 
