@@ -505,6 +505,20 @@ BAD = [
     ("bool scale off", lambda kw: dict(kw, scale=False), ValueError, "scale must be a finite"),
     ("bool softcap", lambda kw: dict(kw, softcap=True), ValueError, "softcap"),
     ("inf epsilon", lambda kw: dict(kw, qk_norm_epsilon=float("inf")), ValueError, "qk_norm_eps"),
+    # flags: a bool or ONNX's 0 / 1; a string is not read by truthiness ("false" would be True)
+    (
+        "string flag",
+        lambda kw: dict(kw, smooth_softmax="false"),
+        TypeError,
+        "smooth_softmax must be a bool",
+    ),
+    (
+        "flag 2",
+        lambda kw: dict(kw, rotary_interleaved=2),
+        TypeError,
+        "rotary_interleaved must be a bool",
+    ),
+    ("float flag", lambda kw: dict(kw, do_rotary=1.0), TypeError, "do_rotary must be a bool"),
     ("rotary no cos", lambda kw: dict(kw, do_rotary=True), ValueError, "cos_cache"),
     ("cos without rotary", lambda kw: dict(_rot(kw), do_rotary=False), ValueError, "cos_cache"),
     (
@@ -514,6 +528,12 @@ BAD = [
         "rotary_dim",
     ),
     ("sin shape", lambda kw: dict(_rot(kw), sin_cache=torch.ones(32, 16)), ValueError, "sin_cache"),
+    (  # only cos_cache too wide: the error names cos_cache's rotary_dim, not sin_cache's shape
+        "cos width",
+        lambda kw: dict(_rot(kw), cos_cache=torch.ones(32, 40)),
+        ValueError,
+        r"rotary_dim = 2 \* cos_cache.shape\[1\] = 80",
+    ),
     (
         "cos rows",
         lambda kw: dict(_rot(kw), cos_cache=torch.ones(5, 32), sin_cache=torch.ones(5, 32)),
@@ -650,6 +670,18 @@ def test_bad_inputs(mutate, exc, match):
 def test_base_kwargs_are_valid():
     out, _, _ = group_query_attention(**_base_kwargs())
     assert torch.isfinite(out).all()
+
+
+def test_onnx_int_flags_mean_their_bools():
+    """ONNX passes boolean attributes as ints: smooth_softmax=1 / 0 is True / False."""
+    kw = _base_kwargs()
+    for flag, value in ((1, True), (0, False)):
+        got = group_query_attention(**dict(kw, smooth_softmax=flag))[0]
+        want = group_query_attention(**dict(kw, smooth_softmax=value))[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    on = group_query_attention(**dict(kw, smooth_softmax=1))[0]
+    off = group_query_attention(**dict(kw, smooth_softmax=0))[0]
+    assert not torch.equal(on, off)  # the flag reaches the math
 
 
 def test_validate_false_reads_no_values(monkeypatch):

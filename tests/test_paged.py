@@ -555,6 +555,8 @@ def test_bad_shapes_and_dtypes():
     _bad(bt, "head_sink must have shape", head_sink=torch.zeros(3))
     _bad(bt, "backend must be one of", backend="cuda")
     _bad(bt, "validate must be a bool", TypeError, validate=1)
+    _bad(bt, "rotary_interleaved must be a bool", TypeError, rotary_interleaved="no")
+    _bad(bt, "smooth_softmax must be a bool", TypeError, smooth_softmax=2)
     _bad(bt, "softcap must be >= 0", softcap="x")
     _bad(bt, "scale must be a finite float", scale="x")
     _bad(bt, "qk_norm_epsilon must be a finite float >= 0", qk_norm_epsilon=-1e-6)

@@ -256,6 +256,7 @@ def _good():
         (lambda a: a.update(cos=torch.ones(512, 40), sin=torch.ones(512, 40)), ValueError,
          "rotary_dim"),
         (lambda a: a.update(rotary_offset=8), ValueError, "rotary_dim"),
+        (lambda a: a.update(cos=torch.ones(512, 40)), ValueError, r"cos_cache.shape\[1\] = 80"),
         (lambda a: a.update(rotary_offset=-2), ValueError, "rotary_offset"),
         (lambda a: a.update(rotary_offset=True), ValueError, "rotary_offset must be a non-negative"),
         (lambda a: a.update(epsilon=-1e-6), ValueError, "epsilon must be a finite float >= 0"),
@@ -284,6 +285,14 @@ def test_bad_input(mutate, exc, match):
                                  num_heads=a["num_heads"], rotary_offset=a["rotary_offset"],
                                  out_dtype=a["out_dtype"], backend=a["backend"],
                                  epsilon=a["epsilon"])  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ["interleaved", "exact"])
+def test_string_flags_are_refused(flag):
+    """A flag given as a string is refused, not read by its truthiness."""
+    x, w, cos, sin, pos = _good()
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        longattn.rms_norm_rotary(x, w, cos, sin, pos, num_heads=2, **{flag: "false"})
 
 
 def test_explicit_triton_bf16_on_cpu_names_the_gate():

@@ -703,6 +703,9 @@ def test_strict_accepts_valid_selection():
         (dict(k_scale=torch.ones(1)), ValueError, "k_scale"),
         (dict(auxiliary_key=torch.randn(1, 1, 4, 8)), ValueError, "auxiliary"),
         (dict(is_causal=False), ValueError, "is_causal"),
+        (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+        (dict(smooth_softmax="no"), TypeError, "smooth_softmax must be a bool"),
+        (dict(auxiliary_kv_shared=2), TypeError, "auxiliary_kv_shared must be a bool"),
         (dict(backend="fast"), ValueError, "backend"),
         (dict(query_dtype=torch.int8), TypeError, "query_dtype"),
         # 1-D parameters the Triton kernels read at ptr + i: a strided view is refused (it was

@@ -77,6 +77,45 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_rotary_caches(
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    *,
+    device: torch.device,
+    max_dim: int,
+    bound: str,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    contiguous_last: bool = True,
+) -> int:
+    """cos_cache / sin_cache ``[max_pos, rotary_dim / 2]``: one float dtype, one shape, and
+    ``2 <= rotary_dim <= max_dim`` (``bound`` spells that range in the error). cos_cache's width
+    is checked before sin_cache is compared with it, so a wrong width names cos_cache. Returns
+    rotary_dim."""
+    check_tensor(
+        "cos_cache", cos_cache, dtypes=dtypes, ndim=2, device=device,
+        contiguous_last=contiguous_last,
+    )  # fmt: skip
+    rot = 2 * cos_cache.shape[1]
+    if rot == 0 or rot > max_dim:
+        raise ValueError(f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in {bound}")
+    check_tensor(
+        "sin_cache", sin_cache, dtypes=(cos_cache.dtype,), shape=tuple(cos_cache.shape),
+        device=device, contiguous_last=contiguous_last,
+    )  # fmt: skip
+    return rot
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A boolean attribute: a bool, or 0 / 1 as ONNX passes its int attributes. Anything else
+    (a string, a float, a tensor, 2) is refused rather than read by its truthiness: ``"false"``
+    would otherwise switch the feature on."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (or 0 / 1, as an ONNX int attribute), got {value!r}")
+
+
 def check_positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

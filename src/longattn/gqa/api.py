@@ -13,8 +13,10 @@ from .._common import (
     call_op,
     check_bool,
     check_epsilon,
+    check_flag,
     check_position_range,
     check_positive_int,
+    check_rotary_caches,
     check_tensor,
     data_checks_allowed,
     host_ranges,
@@ -296,27 +298,9 @@ def _validate_rotary(cos_cache, sin_cache, position_ids, do_rotary, query, h, to
         return
     if cos_cache is None or sin_cache is None:
         raise ValueError("do_rotary=True needs both cos_cache and sin_cache")
-    check_tensor(
-        "cos_cache",
-        cos_cache,
-        dtypes=FLOAT_DTYPES,
-        ndim=2,
-        device=query.device,
-        contiguous_last=True,
+    check_rotary_caches(
+        cos_cache, sin_cache, device=query.device, max_dim=h, bound=f"[2, head_size = {h}]"
     )
-    check_tensor(
-        "sin_cache",
-        sin_cache,
-        dtypes=(cos_cache.dtype,),
-        shape=tuple(cos_cache.shape),
-        device=query.device,
-        contiguous_last=True,
-    )
-    rot = 2 * cos_cache.shape[1]
-    if rot == 0 or rot > h:
-        raise ValueError(
-            f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, head_size = {h}]"
-        )
     if position_ids is not None:
         check_tensor(
             "position_ids",
@@ -470,6 +454,9 @@ def group_query_attention(
     unspecified (but in-bounds) results.
     """
     _cascade.check_backend_name(backend)
+    do_rotary = check_flag("do_rotary", do_rotary)
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
+    smooth_softmax = check_flag("smooth_softmax", smooth_softmax)
     h = _validate_activations(query, key, value, num_heads, kv_num_heads)
     b, s = query.shape[:2]
     if isinstance(total_sequence_length, bool | torch.Tensor):

@@ -12,7 +12,9 @@ from .._common import (
     call_op,
     check_bool,
     check_epsilon,
+    check_flag,
     check_positive_int,
+    check_rotary_caches,
     check_tensor,
     data_checks_allowed,
     is_finite,
@@ -198,15 +200,9 @@ def validate_inputs(
     if do_rotary:
         if cos_cache is None or sin_cache is None:
             raise ValueError("do_rotary=True needs cos_cache and sin_cache")
-        check_tensor("cos_cache", cos_cache, dtypes=FLOAT_DTYPES, ndim=2, device=dev,
-                     contiguous_last=True)  # fmt: skip
-        check_tensor("sin_cache", sin_cache, dtypes=(cos_cache.dtype,),
-                     shape=tuple(cos_cache.shape), device=dev, contiguous_last=True)  # fmt: skip
-        rot = 2 * cos_cache.shape[1]
-        if rot == 0 or rot > h:
-            raise ValueError(
-                f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, head_size = {h}]"
-            )
+        check_rotary_caches(
+            cos_cache, sin_cache, device=dev, max_dim=h, bound=f"[2, head_size = {h}]"
+        )
     elif cos_cache is not None or sin_cache is not None:
         raise ValueError("cos_cache/sin_cache given but do_rotary=False")
     if head_sink is not None:
@@ -326,6 +322,9 @@ def paged_attention(
     (int8 dequantized as ``q * scale``); the output is rounded once to query's dtype.
     """
     _cascade.check_backend_name(backend)
+    do_rotary = check_flag("do_rotary", do_rotary)
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
+    smooth_softmax = check_flag("smooth_softmax", smooth_softmax)
     scale = validate_inputs(
         query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
         block_table, num_heads=num_heads, kv_num_heads=kv_num_heads, cos_cache=cos_cache,

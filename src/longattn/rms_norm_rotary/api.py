@@ -10,10 +10,12 @@ from .._common import (
     call_op,
     check_bool,
     check_epsilon,
+    check_flag,
     check_nonneg_int,
     check_out_dtype,
     check_position_range,
     check_positive_int,
+    check_rotary_caches,
     check_tensor,
     data_checks_allowed,
     host_ranges,
@@ -152,26 +154,11 @@ def validate_args(
     check_tensor(
         "weight", weight, dtypes=FLOAT_DTYPES, shape=(head,), device=x.device, contiguous_last=True
     )
-    check_tensor(
-        "cos_cache", cos_cache, dtypes=FLOAT_DTYPES, ndim=2, device=x.device, contiguous_last=True
-    )
-    check_tensor(
-        "sin_cache",
-        sin_cache,
-        dtypes=(cos_cache.dtype,),
-        shape=tuple(cos_cache.shape),
-        device=x.device,
-        contiguous_last=True,
-    )
-    rot_dim = 2 * cos_cache.shape[1]
-    if rot_dim == 0:
-        raise ValueError("cos_cache must have rotary_dim / 2 >= 1 columns, got 0")
     check_nonneg_int("rotary_offset", rotary_offset)
-    if rot_dim > head - rotary_offset:
-        raise ValueError(
-            f"rotary_dim = 2 * cos_cache.shape[1] = {rot_dim} exceeds head_size - rotary_offset "
-            f"= {head} - {rotary_offset}"
-        )
+    check_rotary_caches(
+        cos_cache, sin_cache, device=x.device, max_dim=head - rotary_offset,
+        bound=f"[2, head_size - rotary_offset] = [2, {head} - {rotary_offset}]",
+    )  # fmt: skip
     if position_ids is not None:
         check_tensor(
             "position_ids",
@@ -232,6 +219,8 @@ def rms_norm_rotary(
         ``[batch, seq, num_heads * head_size]`` in ``out_dtype``.
     """
     _cascade.check_backend_name(backend)
+    interleaved = check_flag("interleaved", interleaved)
+    exact = check_flag("exact", exact)
     _, out_dtype = validate_args(
         x, weight, cos_cache, sin_cache, position_ids, num_heads, rotary_offset, out_dtype
     )

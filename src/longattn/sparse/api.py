@@ -13,9 +13,11 @@ from .._common import (
     FLOAT_DTYPES,
     call_op,
     check_epsilon,
+    check_flag,
     check_nonneg_int,
     check_position_range,
     check_positive_int,
+    check_rotary_caches,
     check_tensor,
     data_checks_allowed,
     host_ranges,
@@ -413,6 +415,11 @@ def _prepare(
     present_value)``. ``check_selection=False``: the selection is produced later by the
     caller (``sparse_attention_layer``): only its shapes are checked, never its values."""
     _cascade.check_backend_name(backend)
+    is_causal = check_flag("is_causal", is_causal)
+    do_rotary = check_flag("do_rotary", do_rotary)
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
+    smooth_softmax = check_flag("smooth_softmax", smooth_softmax)
+    auxiliary_kv_shared = check_flag("auxiliary_kv_shared", auxiliary_kv_shared)
     check_tensor("query", query, dtypes=_FLOATS, ndim=3, contiguous_last=True)
     b, s, d = query.shape
     dev = query.device
@@ -452,8 +459,6 @@ def _prepare(
     check_tensor(
         "seqlens_k", seqlens_k, dtypes=(torch.int32,), shape=(b,), device=dev, contiguous_last=True
     )
-    if not isinstance(is_causal, bool) and is_causal not in (0, 1):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
     if not is_causal:
         raise ValueError("is_causal=False is not supported (DynamicSparseAttention is causal)")
 
@@ -569,24 +574,11 @@ def _prepare(
     if do_rotary:
         if cos_cache is None or sin_cache is None:
             raise ValueError("do_rotary=True needs cos_cache and sin_cache")
-        check_tensor(
-            "cos_cache", cos_cache, dtypes=_FLOATS, ndim=2, device=dev, contiguous_last=True
-        )
-        check_tensor(
-            "sin_cache",
-            sin_cache,
-            dtypes=(cos_cache.dtype,),
-            shape=tuple(cos_cache.shape),
-            device=dev,
-            contiguous_last=True,
-        )
-        rot = 2 * cos_cache.shape[1]
         check_nonneg_int("rotary_offset", rotary_offset)
-        if rot == 0 or rot + rotary_offset > h:
-            raise ValueError(
-                f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, head_size - rotary_offset] "
-                f"= [2, {h} - {rotary_offset}]"
-            )
+        check_rotary_caches(
+            cos_cache, sin_cache, device=dev, max_dim=h - rotary_offset, dtypes=_FLOATS,
+            bound=f"[2, head_size - rotary_offset] = [2, {h} - {rotary_offset}]",
+        )  # fmt: skip
         if position_ids is not None:
             check_tensor("position_ids", position_ids, dtypes=_INDEX, shape=(b, s), device=dev)
     else:

@@ -17,6 +17,7 @@ from .._common import (
     check_bool,
     check_nonneg_int,
     check_positive_int,
+    check_rotary_caches,
     check_tensor,
     data_checks_allowed,
     host_ranges,
@@ -72,20 +73,11 @@ def _check_block_key_params(head_dim, norm_weight, cos_cache, sin_cache, rotary_
     if (cos_cache is None) != (sin_cache is None):
         raise ValueError("cos_cache and sin_cache must be given together (or neither)")
     if cos_cache is not None:
-        check_tensor("cos_cache", cos_cache, dtypes=_FLOATS, ndim=2, device=device)
-        check_tensor(
-            "sin_cache",
-            sin_cache,
-            dtypes=(cos_cache.dtype,),
-            shape=tuple(cos_cache.shape),
-            device=device,
-        )
-        rot = 2 * cos_cache.shape[1]
-        if rot == 0 or rot + rotary_offset > head_dim:
-            raise ValueError(
-                f"rotary_dim = 2 * cos_cache.shape[1] = {rot} must be in [2, index_head_dim - "
-                f"rotary_offset] = [2, {head_dim} - {rotary_offset}]"
-            )
+        check_rotary_caches(
+            cos_cache, sin_cache, device=device, max_dim=head_dim - rotary_offset,
+            dtypes=_FLOATS, contiguous_last=False,
+            bound=f"[2, index_head_dim - rotary_offset] = [2, {head_dim} - {rotary_offset}]",
+        )  # fmt: skip
 
 
 def _check_rotary_rows(cos_cache, num_blocks: int, compress_ratio: int, what: str) -> None:
