@@ -86,11 +86,10 @@ def check_rotary_caches(
     bound: str,
     dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
     contiguous_last: bool = True,
-) -> int:
+) -> None:
     """cos_cache / sin_cache ``[max_pos, rotary_dim / 2]``: one float dtype, one shape, and
     ``2 <= rotary_dim <= max_dim`` (``bound`` spells that range in the error). cos_cache's width
-    is checked before sin_cache is compared with it, so a wrong width names cos_cache. Returns
-    rotary_dim."""
+    is checked before sin_cache is compared with it, so a wrong width names cos_cache."""
     check_tensor(
         "cos_cache", cos_cache, dtypes=dtypes, ndim=2, device=device,
         contiguous_last=contiguous_last,
@@ -102,7 +101,6 @@ def check_rotary_caches(
         "sin_cache", sin_cache, dtypes=(cos_cache.dtype,), shape=tuple(cos_cache.shape),
         device=device, contiguous_last=contiguous_last,
     )  # fmt: skip
-    return rot
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -561,9 +561,9 @@ def group_query_attention(
         scale,
         float(softcap),
         int(local_window_size),
-        bool(do_rotary),
-        bool(rotary_interleaved),
-        bool(smooth_softmax),
+        do_rotary,
+        rotary_interleaved,
+        smooth_softmax,
         float(qk_norm_epsilon),
         backend,
     )

@@ -343,6 +343,6 @@ def paged_attention(
         query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens,
         block_table, cos_cache if do_rotary else None, sin_cache if do_rotary else None,
         head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, num_heads, kv_num_heads,
-        scale, float(softcap), local_window_size, bool(do_rotary), bool(rotary_interleaved),
-        bool(smooth_softmax), float(qk_norm_epsilon), backend,
+        scale, float(softcap), local_window_size, do_rotary, rotary_interleaved,
+        smooth_softmax, float(qk_norm_epsilon), backend,
     )  # fmt: skip

@@ -239,9 +239,9 @@ def rms_norm_rotary(
         position_ids,
         num_heads,
         float(epsilon),
-        bool(interleaved),
+        interleaved,
         rotary_offset,
         out_dtype,
-        bool(exact),
+        exact,
         backend,
     )
