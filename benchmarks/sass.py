@@ -157,6 +157,7 @@ def _presets(cache: str):
                               {**attn_types, "sink_ptr": "*bf16", "max_total": "i32",
                                "counter_ptr": "*i32"},
                               dict(NUM_HEADS=32, GROUP=4, HEAD=128, BLOCK_N=128, STAGES=2,
+                                   V_STAGES=2, EARLY_K_RELEASE=False,
                                    IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
                                    HAS_SINK=False, SINK_FROM_PTR=False,
                                    CONSUMER_REGS=240, ORDER=2, DYNAMIC=True,

@@ -870,6 +870,9 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "dynamic_row_major",
         "head_major",
         "epilogue_4byte",
+        "early_k_release",
+        "q2_k2_v1_early_k",
+        "k3_v2_early_k",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -882,7 +885,11 @@ def test_prefill_gluon_gpu(name, variant, device):
                 one_item_per_cta=dict(PERSISTENT=False, DYNAMIC=False, Q_SLOTS=1),
                 static=dict(DYNAMIC=False, ORDER=0, Q_SLOTS=1),
                 dynamic_row_major=dict(ORDER=0), head_major=dict(ORDER=1),
-                epilogue_4byte=dict(EPILOGUE_SMEM=False))[variant]  # fmt: skip
+                epilogue_4byte=dict(EPILOGUE_SMEM=False),
+                early_k_release=dict(EARLY_K_RELEASE=True),
+                q2_k2_v1_early_k=dict(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1),
+                k3_v2_early_k=dict(EARLY_K_RELEASE=True, Q_SLOTS=1, STAGES=3,
+                                   V_STAGES=2))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -306,8 +306,9 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
 
 
 def prefill_gluon_config(head: int) -> dict:
-    """Tile / pipeline shape of ``prefill_gluon``: K/V slots of [BLOCK_N, HEAD] in a ring of
-    STAGES; two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
+    """Tile / pipeline shape of ``prefill_gluon``: K and V slots of [BLOCK_N, HEAD] in rings of
+    STAGES (K) and V_STAGES (V); EARLY_K_RELEASE: a K slot is refilled once its QK^T is done
+    (else with its V slot, after P.V); two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
     warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
     consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM.
     Q_SLOTS: Q tile pairs (2: the producer loads item k+1's Q and K/V during item k; dropped
@@ -321,7 +322,8 @@ def prefill_gluon_config(head: int) -> dict:
     (H200, same process, ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at
     every measured shape, H=128 and 256, S=2K..32K; the default since)."""
     bn = 64 if head > 128 else 128
-    return dict(BLOCK_N=bn, STAGES=2, Q_SLOTS=2, CONSUMER_REGS=240, maxnreg=168,
+    return dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
+                CONSUMER_REGS=240, maxnreg=168,
                 PERSISTENT=True, DYNAMIC=True, ORDER=2,
                 EPILOGUE_SMEM=True)  # fmt: skip
 
@@ -338,15 +340,16 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     b, s, n, h = q_rot.shape
     cfg = dict(prefill_gluon_config(h), **(cfg or {}))
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
-    q_bytes, stage_bytes = 2 * rows * h * q_rot.element_size(), 2 * bn * h * q_rot.element_size()
+    q_bytes, tile_bytes = 2 * rows * h * q_rot.element_size(), bn * h * q_rot.element_size()
 
     def smem():  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
-        return cfg["Q_SLOTS"] * q_bytes + cfg["STAGES"] * stage_bytes <= 232448 - 2048
+        tiles = cfg["STAGES"] + cfg["V_STAGES"]
+        return cfg["Q_SLOTS"] * q_bytes + tiles * tile_bytes <= 232448 - 2048
 
     while cfg["Q_SLOTS"] > 1 and not smem():
         cfg["Q_SLOTS"] -= 1  # H=256: one Q pair (64 KiB) beside the two K/V stages
-    while cfg["STAGES"] > 1 and not smem():
-        cfg["STAGES"] -= 1
+    while max(cfg["STAGES"], cfg["V_STAGES"]) > 1 and not smem():
+        cfg["STAGES"], cfg["V_STAGES"] = max(cfg["STAGES"] - 1, 1), max(cfg["V_STAGES"] - 1, 1)
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
     q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],

@@ -155,18 +155,30 @@ def _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(desc, coord, ring, ready, empty, it, SLOTS: gl.constexpr):
+    """Producer: the ring's tile number ``it`` (slot ``it % SLOTS``, [BLOCK_N, HEAD]) by TMA
+    from ``desc`` at ``coord``, once both consumers released the slot's previous tile."""
+    slot = it % SLOTS
+    mbarrier.wait(empty.index(slot), ((it // SLOTS) & 1) ^ 1)  # fresh: passes at once
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    dst = ring.index(slot).reshape(desc.block_type.shape)  # [1, 1, BLOCK_N, HEAD] view
+    tma.async_copy_global_to_shared(desc, coord, ready.index(slot), dst)
+
+
+@gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len, window, n_bn, n_m,
-    q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
+    q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, ORDER: gl.constexpr, DYNAMIC: gl.constexpr,
+    STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, ORDER: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """One warp: per work item (claimed by ``_claim``), its (b, n, m0, total_len) for the consumers
-    and its two Q tiles (once both consumers released the previous item's), then K/V tile j
-    into ring slot ``it % STAGES`` (``it`` counts tiles across items) once both consumers
-    released the slot's previous tile. Past the last item, b = -1 tells the consumers to stop."""
-    tile_bytes: gl.constexpr = BLOCK_N * HEAD * k_smem.dtype.primitive_bitwidth // 8
+    and its two Q tiles (once both consumers released the previous item's), then K tile j
+    into K ring slot ``it % STAGES`` and V tile j into V ring slot ``it % V_STAGES`` (``it``
+    counts tiles across items), each once both consumers released the slot's previous tile.
+    Past the last item, b = -1 tells the consumers to stop."""
     it = 0
     item = 0
     w = _claim(gl.program_id(0) - gl.num_programs(0), counter_ptr, DYNAMIC)
@@ -186,18 +198,9 @@ def _producer(
         tma.async_copy_global_to_shared(q_desc, [q_row + ROWS_PER_WG, n * HEAD],
                                         q_bar.index(qs), q_smem.index(2 * qs + 1))  # fmt: skip
         for j in range(n_tiles):
-            slot = it % STAGES
-            phase = (it // STAGES) & 1
-            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
             start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-            mbarrier.expect(k_ready.index(slot), tile_bytes)
-            mbarrier.expect(v_ready.index(slot), tile_bytes)
-            k_dst = k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])  # [BLOCK_N, HEAD] slot
-            v_dst = v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD])
-            tma.async_copy_global_to_shared(k_desc, [b, kvh, start, 0], k_ready.index(slot),
-                                            k_dst)  # fmt: skip
-            tma.async_copy_global_to_shared(v_desc, [b, kvh, start, 0], v_ready.index(slot),
-                                            v_dst)  # fmt: skip
+            _load_tile(k_desc, [b, kvh, start, 0], k_smem, k_ready, k_empty, it, STAGES)
+            _load_tile(v_desc, [b, kvh, start, 0], v_smem, v_ready, v_empty, it, V_STAGES)
             it += 1
         item += 1
         w = _claim(w, counter_ptr, DYNAMIC)
@@ -238,12 +241,14 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
 @gluon.jit
 def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
-    softcap_mult, k_smem, v_smem, k_ready, v_ready, kv_empty,
-    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
-    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it)."""
+    slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
+    EARLY_K_RELEASE: a K slot is released right after its QK^T (else with the V slot, after
+    P.V), so the producer refills it during the softmax and P.V."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -254,13 +259,15 @@ def _attend(
     l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
     s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
     for j in range(n_tiles):
-        slot = it % STAGES
-        phase = (it // STAGES) & 1
+        ks = it % STAGES
+        vs = it % V_STAGES
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-        mbarrier.wait(k_ready.index(slot), phase)
-        qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
+        if EARLY_K_RELEASE:
+            mbarrier.arrive(k_empty.index(ks), count=1)
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
@@ -272,10 +279,12 @@ def _attend(
         m_i = m_new
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # registers: wgmma A operand
-        mbarrier.wait(v_ready.index(slot), phase)
-        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(kv_empty.index(slot), count=1)
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        if not EARLY_K_RELEASE:
+            mbarrier.arrive(k_empty.index(ks), count=1)
         it += 1
     return acc, m_i, l_i, it
 
@@ -283,8 +292,9 @@ def _attend(
 @gluon.jit
 def _consumer(
     WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
-    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, kv_empty,
-    NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+    v_empty, NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
     EPILOGUE_SMEM: gl.constexpr,
@@ -310,7 +320,8 @@ def _consumer(
         acc, m_i, l_i, it = _attend(
             it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
-            kv_empty, HEAD, BLOCK_N, STAGES, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW,
+            HAS_SOFTCAP)  # fmt: skip
         if not EPILOGUE_SMEM:
             mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
@@ -372,7 +383,9 @@ def gqa_prefill_gluon_kernel(
     GROUP: gl.constexpr,
     HEAD: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr,  # K ring slots
+    V_STAGES: gl.constexpr,  # V ring slots
+    EARLY_K_RELEASE: gl.constexpr,  # K slot free after QK^T (see _attend)
     Q_SLOTS: gl.constexpr,  # Q tile pairs: 2 lets the producer load item k+1 during item k
     IS_FIRST_PROMPT: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
@@ -389,38 +402,42 @@ def gqa_prefill_gluon_kernel(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_SLOTS, ROWS_PER_WG, HEAD], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     info = gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 4],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))  # fmt: skip
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_SLOTS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release the Q tiles
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
     # fmt: off
     gl.warp_specialize(
         [
             (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
-                         v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
-                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM)),
+                         v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
+                         EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)),
             (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
-                         v_ready, kv_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, Q_SLOTS,
-                         IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR,
-                         EPILOGUE_SMEM)),
+                         v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
+                         EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
-                         k_ready, v_ready, kv_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N, STAGES,
-                         Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, ORDER, DYNAMIC)),
+                         k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
+                         STAGES, V_STAGES, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, ORDER,
+                         DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, 24],
