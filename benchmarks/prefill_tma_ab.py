@@ -47,7 +47,7 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # K slots refilled after QK^T (separate K / V rings); with 2 Q slots at H=256 the V
         # ring keeps one slot (Q 128 KiB + K 64 + V 32 fits 227 KiB)
         ("gluon_ekr", _gl(EARLY_K_RELEASE=True)),
-        ("gluon_ekr_k3v2", _gl(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2, Q_SLOTS=1)),
+        ("gluon_ekr_k3v2", _gl(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2)),  # H=256: 1 Q slot
         ("gluon_ekr_q2k2v1", _gl(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1)),
         ("gluon_q2k2v1", _gl(Q_SLOTS=2, STAGES=2, V_STAGES=1)),
     ]

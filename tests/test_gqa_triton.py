@@ -888,8 +888,7 @@ def test_prefill_gluon_gpu(name, variant, device):
                 epilogue_4byte=dict(EPILOGUE_SMEM=False),
                 early_k_release=dict(EARLY_K_RELEASE=True),
                 q2_k2_v1_early_k=dict(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1),
-                k3_v2_early_k=dict(EARLY_K_RELEASE=True, Q_SLOTS=1, STAGES=3,
-                                   V_STAGES=2))[variant]  # fmt: skip
+                k3_v2_early_k=dict(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)
