@@ -913,6 +913,26 @@ def test_tma_gate_needs_16_byte_aligned_strides_and_base(device):
     assert not tma_ok(cache.transpose(2, 3))  # last dimension not contiguous
 
 
+@pytest.mark.parametrize("head", [64, 128, 256])
+@pytest.mark.parametrize(
+    "over, want",
+    [
+        ({}, {64: (2, 2, 2), 128: (2, 2, 2), 256: (1, 2, 2)}),
+        (dict(STAGES=2, V_STAGES=1), {64: (2, 2, 1), 128: (2, 2, 1), 256: (2, 2, 1)}),
+        (dict(STAGES=3, V_STAGES=2), {64: (2, 3, 2), 128: (2, 3, 2), 256: (1, 3, 2)}),
+        (dict(STAGES=4, V_STAGES=4), {64: (2, 4, 4), 128: (1, 3, 3), 256: (1, 2, 2)}),
+    ],
+)
+def test_prefill_gluon_smem_fit(head, over, want):
+    """The Gluon prefill's shared-memory fit: Q pairs first, then the K / V rings (together),
+    down to what fits 227 KiB; a config that fits is kept as asked."""
+    cfg = launch.fit_prefill_gluon_smem(dict(launch.prefill_gluon_config(head), **over), head, 2)
+    assert (cfg["Q_SLOTS"], cfg["STAGES"], cfg["V_STAGES"]) == want[head]
+    tile = cfg["BLOCK_N"] * head * 2
+    used = cfg["Q_SLOTS"] * 128 * head * 2 + (cfg["STAGES"] + cfg["V_STAGES"]) * tile
+    assert used <= launch.GLUON_SMEM_BYTES
+
+
 @pytest.mark.gpu
 def test_prefill_gluon_gate(device, monkeypatch):
     """Which prefill calls the Gluon kernel takes on sm_90, and which it leaves to the Triton

@@ -328,6 +328,28 @@ def prefill_gluon_config(head: int) -> dict:
                 EPILOGUE_SMEM=True)  # fmt: skip
 
 
+GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
+
+
+def fit_prefill_gluon_smem(cfg: dict, head: int, elem_bytes: int) -> dict:
+    """``cfg`` with Q_SLOTS, then STAGES and V_STAGES (together, each down to 1), lowered until
+    the Q tile pairs and the K / V ring slots fit ``GLUON_SMEM_BYTES`` (H=256 at the default
+    2 + 2 K/V slots: one Q pair of 64 KiB). Q pairs are 128 x head, ring slots BLOCK_N x head."""
+    cfg = dict(cfg)
+    q_bytes, tile_bytes = 128 * head * elem_bytes, cfg["BLOCK_N"] * head * elem_bytes
+
+    def fits():
+        return cfg["Q_SLOTS"] * q_bytes + (cfg["STAGES"] + cfg["V_STAGES"]) * tile_bytes <= (
+            GLUON_SMEM_BYTES
+        )
+
+    while cfg["Q_SLOTS"] > 1 and not fits():
+        cfg["Q_SLOTS"] -= 1
+    while max(cfg["STAGES"], cfg["V_STAGES"]) > 1 and not fits():
+        cfg["STAGES"], cfg["V_STAGES"] = max(cfg["STAGES"] - 1, 1), max(cfg["V_STAGES"] - 1, 1)
+    return cfg
+
+
 def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None):
     """Warp-specialized Gluon prefill (``prefill_gluon.gqa_prefill_gluon_kernel``): work items of
     128 rows of one head, cdiv(S, 128) * B * N of them; grid: one CTA per SM (PERSISTENT) or
@@ -338,18 +360,9 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     from .prefill_gluon import ROWS_PER_WG, gqa_prefill_gluon_kernel
 
     b, s, n, h = q_rot.shape
-    cfg = dict(prefill_gluon_config(h), **(cfg or {}))
+    cfg = fit_prefill_gluon_smem(dict(prefill_gluon_config(h), **(cfg or {})), h,
+                                 q_rot.element_size())  # fmt: skip
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
-    q_bytes, tile_bytes = 2 * rows * h * q_rot.element_size(), bn * h * q_rot.element_size()
-
-    def smem():  # fit the sm_90 shared-memory limit (227 KiB, barriers aside)
-        tiles = cfg["STAGES"] + cfg["V_STAGES"]
-        return cfg["Q_SLOTS"] * q_bytes + tiles * tile_bytes <= 232448 - 2048
-
-    while cfg["Q_SLOTS"] > 1 and not smem():
-        cfg["Q_SLOTS"] -= 1  # H=256: one Q pair (64 KiB) beside the two K/V stages
-    while max(cfg["STAGES"], cfg["V_STAGES"]) > 1 and not smem():
-        cfg["STAGES"], cfg["V_STAGES"] = max(cfg["STAGES"] - 1, 1), max(cfg["V_STAGES"] - 1, 1)
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
     q_desc = GluonDescriptor(q2, list(q2.shape), list(q2.stride()), [rows, h],
