@@ -161,7 +161,7 @@ def _presets(cache: str):
                                    IS_FIRST_PROMPT=True, HAS_WINDOW=False, HAS_SOFTCAP=False,
                                    HAS_SINK=False, SINK_FROM_PTR=False,
                                    CONSUMER_REGS=240, ORDER=2, DYNAMIC=True,
-                                   Q_SLOTS=2, EPILOGUE_SMEM=True), 4, 1),
+                                   Q_SLOTS=2, EPILOGUE_SMEM=True, EPILOGUE_TMA=False), 4, 1),
         "gqa-decode": (gqa_decode_split_kernel, attn_types,
                        dict(NUM_HEADS=32, KV_HEADS=8, GROUP=4, HEAD=128, ROWS_PAD=16, BLOCK_N=64,
                             PV_DTYPE=tl.float16 if cache == "i8" else tl.bfloat16, PDL=False,
@@ -245,8 +245,10 @@ def main(argv=None):
         q_layout = gl.NVMMASharedLayout.get_default_for([64, h], gl.bfloat16)
         kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gl.bfloat16)
         kv_type = f"tensordesc<bf16[1, 1, {bn}, {h}],{kv_layout!r}>"
-        types = dict(types, q_desc=f"tensordesc<bf16[64, {h}],{q_layout!r}>", k_desc=kv_type,
-                     v_desc=kv_type)  # fmt: skip
+        o_layout = gl.NVMMASharedLayout.get_default_for([1, 64, h], gl.bfloat16)
+        q_type = f"tensordesc<bf16[64, {h}],{q_layout!r}>"
+        o_type = f"tensordesc<bf16[1, 64, {h}],{o_layout!r}>" if ce["EPILOGUE_TMA"] else q_type
+        types = dict(types, q_desc=q_type, k_desc=kv_type, v_desc=kv_type, o_desc=o_type)
         maxnreg = maxnreg or 168
     res = compile_sass(fn, types, ce, num_warps=args.warps or warps,
                        num_stages=args.stages or stages, maxnreg=maxnreg)  # fmt: skip

@@ -873,6 +873,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "early_k_release",
         "q2_k2_v1_early_k",
         "k3_v2_early_k",
+        "epilogue_tma",
+        "q2_k2_v1_early_k_tma",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -888,7 +890,10 @@ def test_prefill_gluon_gpu(name, variant, device):
                 epilogue_4byte=dict(EPILOGUE_SMEM=False),
                 early_k_release=dict(EARLY_K_RELEASE=True),
                 q2_k2_v1_early_k=dict(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1),
-                k3_v2_early_k=dict(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2))[variant]  # fmt: skip
+                k3_v2_early_k=dict(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2),
+                epilogue_tma=dict(EPILOGUE_TMA=True),
+                q2_k2_v1_early_k_tma=dict(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1,
+                                          EPILOGUE_TMA=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

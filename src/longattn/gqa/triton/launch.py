@@ -320,12 +320,13 @@ def prefill_gluon_config(head: int) -> dict:
     ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through the item's freed Q
     tile in shared memory as 16-byte stores instead of the accumulator layout's 4-byte ones
     (H200, same process, ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at
-    every measured shape, H=128 and 256, S=2K..32K; the default since)."""
+    every measured shape, H=128 and 256, S=2K..32K; the default since); EPILOGUE_TMA: and
+    from there by one TMA store per tile (where the output is TMA-able; option)."""
     bn = 64 if head > 128 else 128
     return dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                 CONSUMER_REGS=240, maxnreg=168,
                 PERSISTENT=True, DYNAMIC=True, ORDER=2,
-                EPILOGUE_SMEM=True)  # fmt: skip
+                EPILOGUE_SMEM=True, EPILOGUE_TMA=False)  # fmt: skip
 
 
 GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
@@ -370,6 +371,12 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     kv_layout = gl.NVMMASharedLayout.get_default_for([1, 1, bn, h], gdt)
     k_desc, v_desc = (GluonDescriptor(c, list(c.shape), list(c.stride()), [1, 1, bn, h],
                                       kv_layout) for c in (present_key, present_value))  # fmt: skip
+    o_desc = q_desc  # a placeholder where the epilogue does not take a TMA store
+    cfg["EPILOGUE_TMA"] = cfg["EPILOGUE_TMA"] and cfg["EPILOGUE_SMEM"] and tma_ok(out)
+    if cfg["EPILOGUE_TMA"]:  # [B, S, N * HEAD]: rows past S clip per sequence
+        odt = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float16
+        o_desc = GluonDescriptor(out, list(out.shape), list(out.stride()), [1, rows, h],
+                                 gl.NVMMASharedLayout.get_default_for([1, rows, h], odt))  # fmt: skip
     qk_scale, softcap_mult = _logit_scalars(p)
     items = cdiv(s, 2 * rows) * b * n
     grid = min(items, device_sms(q_rot)) if cfg.pop("PERSISTENT") else items
@@ -383,6 +390,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
         k_desc,
         v_desc,
         out,
+        o_desc,
         seqlens_k,
         p.head_sink if p.head_sink is not None else q_rot,
         counter,

@@ -45,6 +45,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -290,20 +291,28 @@ def _attend(
 
 
 @gluon.jit
+def _q_as_output(q_tile, dtype: gl.constexpr):
+    """A consumer's freed [64, HEAD] Q tile viewed as an output tile of ``dtype`` (same width)."""
+    return q_tile._reinterpret(dtype, [ROWS_PER_WG, q_tile.shape[1]], q_tile.layout)
+
+
+@gluon.jit
 def _consumer(
-    WG: gl.constexpr, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
     softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
     v_empty, NUM_HEADS: gl.constexpr, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
-    EPILOGUE_SMEM: gl.constexpr,
+    EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
     producer loads the next item); EPILOGUE_SMEM: the rows pass through the item's Q tile
     (released after) to leave as 16-byte row-contiguous stores instead of the accumulator
-    layout's 4-byte ones."""
+    layout's 4-byte ones; EPILOGUE_TMA (with EPILOGUE_SMEM): one TMA bulk store of the tile
+    (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
+    stores; the Q tile is released once the copy engine has read it."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -336,28 +345,37 @@ def _consumer(
         rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
         acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
         o_tile = acc.to(o_ptr.dtype.element_ty)
-        if EPILOGUE_SMEM:  # through the free Q tile: 16-byte row-contiguous global stores
-            st_layout: gl.constexpr = _row_store_layout(HEAD)
-            q_tile = q_smem.index(2 * qs + WG)
-            o_smem = q_tile._reinterpret(o_ptr.dtype.element_ty, [ROWS_PER_WG, HEAD],
-                                         q_tile.layout)  # fmt: skip
+        if EPILOGUE_TMA:  # through the free Q tile, one bulk copy to global memory
+            o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
             o_smem.store(o_tile)
+            fence_async_shared()  # the generic-proxy stores before the copy engine reads
             gl.thread_barrier()
-            o_tile = o_smem.load(st_layout)  # [64, HEAD]
-            gl.thread_barrier()  # every lane read the tile before the producer may refill it
+            tma.async_copy_shared_to_global(o_desc, [b, r0, n * HEAD],
+                                            o_smem.reshape(o_desc.block_type.shape))  # fmt: skip
+            tma.store_wait(0)  # the tile was read: the producer may refill it
+            gl.thread_barrier()
             mbarrier.arrive(q_empty.index(qs), count=1)
-            rows = r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, st_layout))
-            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, st_layout))
         else:
-            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (
-            o_ptr
-            + b.to(gl.int64) * stride_ob
-            + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
-            + n * HEAD
-            + gl.expand_dims(cols, 0)
-        )
-        gl.store(o_ptrs, o_tile, mask=gl.expand_dims(rows < seq_len, 1))
+            if EPILOGUE_SMEM:  # through the free Q tile: 16-byte row-contiguous global stores
+                st_layout: gl.constexpr = _row_store_layout(HEAD)
+                o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
+                o_smem.store(o_tile)
+                gl.thread_barrier()
+                o_tile = o_smem.load(st_layout)  # [64, HEAD]
+                gl.thread_barrier()  # every lane read the tile before the producer may refill it
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                rows = r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, st_layout))
+                cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, st_layout))
+            else:
+                cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+            o_ptrs = (
+                o_ptr
+                + b.to(gl.int64) * stride_ob
+                + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+                + n * HEAD
+                + gl.expand_dims(cols, 0)
+            )
+            gl.store(o_ptrs, o_tile, mask=gl.expand_dims(rows < seq_len, 1))
         item += 1
         b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
 
@@ -368,6 +386,7 @@ def gqa_prefill_gluon_kernel(
     k_desc,  # [B, KV, C, HEAD] cache (dot dtype), block [1, 1, BLOCK_N, HEAD]
     v_desc,
     o_ptr,  # [B, S, N * HEAD] output (stride 1 along the last axis)
+    o_desc,  # EPILOGUE_TMA: o_ptr's [B, S, N * HEAD] descriptor, block [1, 64, HEAD]
     seqlens_ptr,  # [B] int32, total_len - 1
     sink_ptr,  # [N]
     counter_ptr,  # [1] int32, zero at launch (DYNAMIC: the work-item tickets)
@@ -396,6 +415,7 @@ def gqa_prefill_gluon_kernel(
     ORDER: gl.constexpr,  # work order: 0 row blocks, 1 heads, 2 KV groups (see _item_head)
     DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
+    EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -423,16 +443,16 @@ def gqa_prefill_gluon_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (0, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+            (_consumer, (0, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)),
-            (_consumer, (1, o_ptr, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)),
+            (_consumer, (1, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)),
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
