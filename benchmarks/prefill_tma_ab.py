@@ -50,6 +50,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ("gluon_ekr_k3v2", _gl(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2)),  # H=256: 1 Q slot
         ("gluon_ekr_q2k2v1", _gl(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1)),
         ("gluon_q2k2v1", _gl(Q_SLOTS=2, STAGES=2, V_STAGES=1)),
+        # H=256: the ring shape past GLUON_SHORT_TOTAL keys (the default of shorter sequences
+        # is the short-item shape, session 38)
+        ("gluon_long", _gl(V_STAGES=2, EARLY_K_RELEASE=False, EPILOGUE_TMA=False)),
         # output tiles leave the freed Q tile by one TMA store each
         ("gluon_tma_epi", _gl(EPILOGUE_TMA=True)),
         (

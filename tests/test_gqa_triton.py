@@ -875,6 +875,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "k3_v2_early_k",
         "epilogue_tma",
         "q2_k2_v1_early_k_tma",
+        "long_items",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -893,14 +894,17 @@ def test_prefill_gluon_gpu(name, variant, device):
                 k3_v2_early_k=dict(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2),
                 epilogue_tma=dict(EPILOGUE_TMA=True),
                 q2_k2_v1_early_k_tma=dict(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1,
-                                          EPILOGUE_TMA=True))[variant]  # fmt: skip
+                                          EPILOGUE_TMA=True),
+                # the shape of sequences past GLUON_SHORT_TOTAL (H=256: one Q pair)
+                long_items=dict(Q_SLOTS=2, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False,
+                                EPILOGUE_TMA=False))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)
     assert launch.prefill_gluon_fits(p, q_rot, pk, pv, out, None)
     orig = launch.prefill_gluon_config
     try:
-        launch.prefill_gluon_config = lambda h: dict(orig(h), **over)
+        launch.prefill_gluon_config = lambda h, max_total=0: dict(orig(h, max_total), **over)
         _run_and_check(c, device)
     finally:
         launch.prefill_gluon_config = orig
@@ -936,6 +940,19 @@ def test_prefill_gluon_smem_fit(head, over, want):
     tile = cfg["BLOCK_N"] * head * 2
     used = cfg["Q_SLOTS"] * 128 * head * 2 + (cfg["STAGES"] + cfg["V_STAGES"]) * tile
     assert used <= launch.GLUON_SMEM_BYTES
+
+
+def test_prefill_gluon_config_short_items():
+    """H=256 sequences of up to GLUON_SHORT_TOTAL keys take the short-item ring shape (2 Q pairs,
+    1 V slot, early K release, TMA output stores), which fits shared memory as it is; longer or
+    unknown lengths and H <= 128 keep 2 + 2 K / V slots without them."""
+    short = launch.prefill_gluon_config(256, launch.GLUON_SHORT_TOTAL)
+    assert (short["Q_SLOTS"], short["STAGES"], short["V_STAGES"]) == (2, 2, 1)
+    assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"]
+    assert launch.fit_prefill_gluon_smem(short, 256, 2) == short
+    for head, total in ((256, launch.GLUON_SHORT_TOTAL + 1), (256, 0), (128, 2048), (64, 2048)):
+        cfg = launch.prefill_gluon_config(head, total)
+        assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
 
 
 @pytest.mark.gpu

@@ -126,6 +126,22 @@ def test_prefill_gluon_compiles_warp_specialized(shape):
     assert ("STG.E.128" in res["memory"]) == wide and ("STG.E" in res["memory"]) != wide, res
 
 
+def test_prefill_gluon_short_item_shape_compiles():
+    """The H=256 short-item build (``launch.prefill_gluon_config``: 2 Q pairs, 2 K slots released
+    after QK^T, 1 V slot, TMA output stores) fits shared memory, stores its output tiles by TMA
+    (one bulk store per consumer, no per-thread output stores) and keeps the tile loops nearly
+    free of local memory (the dynamic Q slot costs a few scalar spills: at most 8 per tile)."""
+    res = _sass("gqa-prefill-gluon", "--set", "HEAD=256,BLOCK_N=64,Q_SLOTS=2,V_STAGES=1,"
+                "EARLY_K_RELEASE=True,EPILOGUE_TMA=True")  # fmt: skip
+    hist, memory = res["hist"], res["memory"]
+    assert res["regs"] == 168 and res["shared"] <= 232448, res
+    assert hist.get("UTMASTG", 0) == 2 and not any(op.startswith("STG") for op in memory), res
+    tile_loops = sorted((c for c in res["loops"] if c.get("HGMMA", 0)), key=lambda c: sum(
+        v for v in c.values() if isinstance(v, int)))[:2]  # fmt: skip
+    assert all(c["HGMMA"] == 20 for c in tile_loops), tile_loops  # QK^T 16 + P.V 4 per tile
+    assert all(c.get("LDL", 0) + c.get("STL", 0) <= 8 for c in tile_loops), tile_loops
+
+
 def test_wgmma_probe_compiles_all_three_operand_paths():
     """``benchmarks/gluon_wgmma_probe.py`` (the GPU check of the register-operand paths): for
     K = 256, 16 k-steps of A from shared memory, 16 of A from registers, and 8 + 8 split."""

@@ -305,28 +305,49 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
     )
 
 
-def prefill_gluon_config(head: int) -> dict:
-    """Tile / pipeline shape of ``prefill_gluon``: K and V slots of [BLOCK_N, HEAD] in rings of
-    STAGES (K) and V_STAGES (V); EARLY_K_RELEASE: a K slot is refilled once its QK^T is done
-    (else with its V slot, after P.V); two 64-row Q tiles stay resident. CONSUMER_REGS / maxnreg: each consumer
-    warpgroup's setmaxnreg budget and the launch cap that fits the three warpgroups (two
-    consumers at 240, the producer's at 24) in the 64K-register file, one CTA per SM.
-    Q_SLOTS: Q tile pairs (2: the producer loads item k+1's Q and K/V during item k; dropped
-    to 1 where shared memory is short, H=256). Work schedule: PERSISTENT (one CTA per SM, else
-    one per work item), DYNAMIC (each CTA claims its next item from a per-call counter, else
-    CTA c takes c, c + G, ...), ORDER
-    (0: every head's last row block first; 1: a head's row blocks heaviest first, then the next
-    head's; 2: as 1 with the heads of one KV head interleaved); see
-    ``prefill_gluon._item_head``. EPILOGUE_SMEM: output rows leave through the item's freed Q
-    tile in shared memory as 16-byte stores instead of the accumulator layout's 4-byte ones
-    (H200, same process, ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at
-    every measured shape, H=128 and 256, S=2K..32K; the default since); EPILOGUE_TMA: and
-    from there by one TMA store per tile (where the output is TMA-able; option)."""
+# Up to this many keys per sequence (``total_sequence_length``), H > 128 prefill takes the short-
+# item ring shape (``prefill_gluon_config``). H100, same process, two runs (5 and 9 interleaved
+# rounds, ``benchmarks/results/prefill_gluon_rings{,_run2}_session38_h100.json``), causal bf16
+# (32, 8), B*S = 16K, H=256: S=2K 1146.0 / 1142.5 -> 1100.1 / 1101.5 us (-3.9 / -3.6%), S=8K
+# -1.1 / -0.3%, S=32K +1.3 / +2.5% (long items: the single V slot stalls).
+GLUON_SHORT_TOTAL = 8192
+
+
+def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
+    """Tile / pipeline shape of ``prefill_gluon`` for head size ``head`` and sequences of up to
+    ``max_total`` keys (0: unknown).
+
+    - BLOCK_N: keys per K / V tile; STAGES / V_STAGES: K and V ring slots of [BLOCK_N, HEAD];
+      EARLY_K_RELEASE: a K slot is refilled once both consumers' QK^T read it (else with its V
+      slot, after P.V).
+    - Q_SLOTS: 64-row Q tile pairs (2: the producer loads item k+1's Q and K/V during item k;
+      ``fit_prefill_gluon_smem`` lowers it where shared memory is short).
+    - CONSUMER_REGS / maxnreg: each consumer warpgroup's setmaxnreg budget and the launch cap
+      that fits the three warpgroups (two consumers at 240, the producer's at 24) in the
+      64K-register file, one CTA per SM.
+    - Work schedule: PERSISTENT (one CTA per SM, else one per work item), DYNAMIC (each CTA
+      claims its next item from a per-call counter, else CTA c takes c, c + G, ...), ORDER (0:
+      every head's last row block first; 1: a head's row blocks heaviest first, then the next
+      head's; 2: as 1 with the heads of one KV head interleaved; ``prefill_gluon._item_head``).
+    - EPILOGUE_SMEM: output rows leave through the item's freed Q tile in shared memory as
+      16-byte stores instead of the accumulator layout's 4-byte ones (H200, same process,
+      ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at every measured shape,
+      H=128 and 256, S=2K..32K); EPILOGUE_TMA: from there by one TMA store per tile (where the
+      output is TMA-able).
+
+    H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs. H = 256: 64-key tiles; sequences of
+    more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
+    not hold 2); shorter ones, whose items are a few tiles long, the short-item shape: 2 Q
+    pairs, 2 K slots refilled early, 1 V slot, TMA output stores, so the next item's Q is
+    resident when an item ends (see ``GLUON_SHORT_TOTAL`` for the measurements)."""
     bn = 64 if head > 128 else 128
-    return dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
-                CONSUMER_REGS=240, maxnreg=168,
-                PERSISTENT=True, DYNAMIC=True, ORDER=2,
-                EPILOGUE_SMEM=True, EPILOGUE_TMA=False)  # fmt: skip
+    cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
+               CONSUMER_REGS=240, maxnreg=168,
+               PERSISTENT=True, DYNAMIC=True, ORDER=2,
+               EPILOGUE_SMEM=True, EPILOGUE_TMA=False)  # fmt: skip
+    if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
+        cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
+    return cfg
 
 
 GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
@@ -361,8 +382,8 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     from .prefill_gluon import ROWS_PER_WG, gqa_prefill_gluon_kernel
 
     b, s, n, h = q_rot.shape
-    cfg = fit_prefill_gluon_smem(dict(prefill_gluon_config(h), **(cfg or {})), h,
-                                 q_rot.element_size())  # fmt: skip
+    base = prefill_gluon_config(h, p.total_sequence_length)
+    cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
