@@ -13,15 +13,20 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
   from a per-call counter (atomic tickets, ``_claim``) and hands it to the consumers through
   shared memory (``_publish`` / ``_take``). Items go in ``_item_head``'s ORDER 2: a KV head's
   row blocks heaviest first, with its GROUP query heads interleaved, so CTAs that run together
-  share one KV head's K/V in L2 and the last items are light. With ``Q_SLOTS = 2`` (H <= 128)
-  the producer loads item k+1's Q and K/V while the consumers work on item k, so the K/V ring
-  never drains between items (the static schedule CTA c: c, c + G, ... and one CTA per item
-  remain as flags);
+  share one KV head's K/V in L2 and the last items are light. With ``Q_SLOTS = 2`` (H <= 128,
+  and H = 256 for sequences of <= ``launch.GLUON_SHORT_TOTAL`` keys) the producer loads item
+  k+1's Q and K/V while the consumers work on item k, so the K/V ring never drains between
+  items (the static schedule CTA c: c, c + G, ... and one CTA per item remain as flags);
+- K and V have separate rings (``STAGES`` / ``V_STAGES`` slots, each with ready / empty
+  barriers); with ``EARLY_K_RELEASE`` a K slot is refilled once both QK^T read it, which lets
+  H = 256 hold 2 Q pairs + 2 K + 1 V slot (224 KiB) for short items;
 - no tile reads a cache row at or past the sequence's length (those rows may hold NaN
   garbage; 0 * NaN would poison the PV product): the last tile of a range is shifted back to
   end at the range's end, and the columns it shares with the previous tile are masked (rows
   before 0 are zero-filled by TMA);
-- the causal / window / duplicate-column mask is applied only on tiles that need it.
+- the causal / window / duplicate-column mask is applied only on tiles that need it;
+- output rows leave through the item's freed Q tile (``EPILOGUE_SMEM``), by 16-byte stores or
+  one TMA store per 64-row tile (``EPILOGUE_TMA``).
 
 Measured (same process, ``benchmarks/results/prefill_gluon_ab{1..6}_h200.json``): the dynamic
 ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept:
