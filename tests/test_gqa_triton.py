@@ -955,6 +955,34 @@ def test_prefill_gluon_config_short_items():
         assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
 
 
+_RING_CASES = {
+    "h256-short": (GPU_CASES["prefill-first-bf16-h256-window-softcap"], (2, 2, 1, True)),
+    "h256-long": (  # 8200 past + 64 new = 8264 keys
+        Case(b=1, s=64, lens=(8200,), n=8, kv=2, h=256, act=torch.bfloat16, first_prompt=False),
+        (1, 2, 2, False),
+    ),
+    "h128": (GPU_CASES["prefill-first-bf16-h128-4k"], (2, 2, 2, False)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_RING_CASES))
+def test_prefill_gluon_default_ring_shape_gpu(name, device, monkeypatch):
+    """The Gluon prefill's default build by sequence length (``prefill_gluon_config``): H=256 up
+    to GLUON_SHORT_TOTAL keys takes the short-item shape (2 Q pairs, 1 V slot, TMA stores),
+    longer H=256 and H=128 the two-slot rings; each against fp64."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon prefill is built for sm_90")
+    case, want = _RING_CASES[name]
+    seen, fit = [], launch.fit_prefill_gluon_smem
+    monkeypatch.setattr(
+        launch, "fit_prefill_gluon_smem", lambda *a: seen.append(fit(*a)) or seen[-1]
+    )
+    _run_and_check(dataclasses.replace(case, force_path="prefill_gluon"), device)
+    got = seen[-1]
+    assert (got["Q_SLOTS"], got["STAGES"], got["V_STAGES"], got["EPILOGUE_TMA"]) == want, got
+
+
 @pytest.mark.gpu
 def test_prefill_gluon_gate(device, monkeypatch):
     """Which prefill calls the Gluon kernel takes on sm_90, and which it leaves to the Triton
