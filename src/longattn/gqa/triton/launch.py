@@ -308,7 +308,7 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
 # Up to this many keys per sequence (``total_sequence_length``), H > 128 prefill takes the short-
 # item ring shape (``prefill_gluon_config``). H100, same process, two runs (5 and 9 interleaved
 # rounds, ``benchmarks/results/prefill_gluon_rings{,_run2}_session38_h100.json``), causal bf16
-# (32, 8), B*S = 16K, H=256: S=2K 1146.0 / 1142.5 -> 1100.1 / 1101.5 us (-3.9 / -3.6%), S=8K
+# (32, 8), B*S = 16K, H=256: S=2K 1144.5 / 1142.5 -> 1100.1 / 1101.5 us (-3.9 / -3.6%), S=8K
 # -1.1 / -0.3%, S=32K +1.3 / +2.5% (long items: the single V slot stalls).
 GLUON_SHORT_TOTAL = 8192
 
