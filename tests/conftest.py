@@ -50,6 +50,12 @@ def _on_gpu(item) -> bool:
     return _HAS_CUDA and "gpu" in item.keywords
 
 
+def _release_gpu_memory() -> None:
+    """Collect dropped tensors and return the caching allocator's free blocks to the GPU."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _out_of_memory(exc) -> bool:
     """``exc`` or an exception it was raised from or during is a CUDA out-of-memory error
     (``assert_close`` re-raises one as a RuntimeError)."""
@@ -76,8 +82,7 @@ def _gpu_memory_share(request):
         yield
     finally:
         _flock("memory", fcntl.LOCK_UN)
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_gpu_memory()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -95,8 +100,7 @@ def pytest_runtest_call(item):
     _flock("memory", fcntl.LOCK_EX)
     _flock("turnstile", fcntl.LOCK_UN)
     try:
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_gpu_memory()
         item.runtest()
     except BaseException as exc:  # the re-run's own outcome (a failure, a skip) is reported
         if not hasattr(outcome, "force_exception"):  # pluggy < 1.1
