@@ -356,7 +356,9 @@ GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barri
 def fit_prefill_gluon_smem(cfg: dict, head: int, elem_bytes: int) -> dict:
     """``cfg`` with Q_SLOTS, then STAGES and V_STAGES (together, each down to 1), lowered until
     the Q tile pairs and the K / V ring slots fit ``GLUON_SMEM_BYTES`` (H=256 at the default
-    2 + 2 K/V slots: one Q pair of 64 KiB). Q pairs are 128 x head, ring slots BLOCK_N x head."""
+    2 + 2 K/V slots: one Q pair of 64 KiB). Q pairs are 128 x head (2 * ``prefill_gluon.
+    ROWS_PER_WG``, not imported here: the Gluon module loads with the first launch), ring slots
+    BLOCK_N x head."""
     cfg = dict(cfg)
     q_bytes, tile_bytes = 128 * head * elem_bytes, cfg["BLOCK_N"] * head * elem_bytes
 
