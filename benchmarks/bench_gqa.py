@@ -276,22 +276,32 @@ def _decode_fn(p, cfg=None, splits=None):
 # flag, so their v_bytes rows re-time the default: a noise gauge). Session 36's H100 A/B ran
 # the variant as "v_pairs" (V_PAIRS on, before it became the default).
 # "k_pairs": the int8 K read as int16 channel pairs too (K_PAIRS, an option, session 36).
-DECODE_VARIANTS = {"unfused": ("FUSE_PROLOGUE", False), "v_bytes": ("V_PAIRS", False),
-                   "k_pairs": ("K_PAIRS", True)}  # fmt: skip
+# "k_shift": int8 K enters Q.K as k + 1152 (K_SHIFT, an option, session 39: one fp16 subtract
+# per K pair fewer; sm_90 SASS tile loop 741 -> 660 instructions), "k_pairs_shift" both.
+# 16-bit caches ignore the int8 options, so they time only "unfused" (INT8_ONLY_VARIANTS).
+DECODE_VARIANTS = {"unfused": dict(FUSE_PROLOGUE=False), "v_bytes": dict(V_PAIRS=False),
+                   "k_pairs": dict(K_PAIRS=True), "k_shift": dict(K_SHIFT=True),
+                   "k_pairs_shift": dict(K_PAIRS=True, K_SHIFT=True)}  # fmt: skip
+INT8_ONLY_VARIANTS = ("v_bytes", "k_pairs", "k_shift", "k_pairs_shift")
+
+
+def _variants_for(cache_dtype) -> list[str]:
+    """The DECODE_VARIANTS that change the build of a ``cache_dtype`` cache."""
+    return [v for v in DECODE_VARIANTS if cache_dtype == torch.int8 or v not in INT8_ONLY_VARIANTS]
 
 
 def _variant_cfg(cache_dtype, name, b=1):
     """The default decode config at batch ``b`` with the option of variant ``name``
     (DECODE_VARIANTS)."""
     dot = torch.float16 if cache_dtype in (torch.float16, torch.int8) else torch.bfloat16
-    key, value = DECODE_VARIANTS[name]
+    flags = DECODE_VARIANTS[name]
     sms = (
         torch.cuda.get_device_properties(0).multi_processor_count
         if torch.cuda.is_available()
         else 0
     )
     cfg = launch.decode_config(128, dot, cache_dtype, False, b * KV, sms)
-    return dict(cfg, **{key: value})
+    return dict(cfg, **flags)
 
 
 CHAIN = 4  # decode steps over distinct caches in one graph (``ours_chain_us``)
@@ -375,7 +385,7 @@ def decode(rows, best, copy_tbs):
             row["chain_pct_of_copy_bw"] = _pct_of_copy(nbytes, c_us, copy_tbs)
             if b == 1:
                 row["kernels_eager_us"] = _kernels(_decode_fn(p), sets[0])
-            for v in DECODE_VARIANTS:
+            for v in _variants_for(torch.bfloat16):
                 v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(torch.bfloat16, v, b)), sets)
                 row[f"ours_{v}_graph_us"] = v_us
                 row[f"{v}_graph_pct_of_copy_bw"] = _pct_of_copy(nbytes, v_us, copy_tbs)
@@ -405,6 +415,16 @@ INT8_TILE_SWEEP = [
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, FUSE_PROLOGUE=True),
+    # K_SHIFT (session 39) takes the fused K_PAIRS build's 8 bytes of stack away: 4 stages too
+    dict(
+        BLOCK_N=128,
+        num_warps=4,
+        num_stages=4,
+        V_PAIRS=True,
+        K_PAIRS=True,
+        K_SHIFT=True,
+        FUSE_PROLOGUE=True,
+    ),
 ]
 
 
@@ -422,11 +442,13 @@ def cache_dtypes(rows, copy_tbs):
             row["floor_us"] = nbytes / (copy_tbs * 1e12) * 1e6
             if res.get("bf16") and res[name]:
                 row["speedup_vs_bf16"] = res["bf16"] / res[name]
-            for v in DECODE_VARIANTS:
+            for v in _variants_for(dt):
                 v_us = _graph_time_or_none(_decode_fn(p, _variant_cfg(dt, v, b)), sets)
                 row[f"ours_{v}_graph_us"] = res[f"{name}_{v}"] = v_us
                 if res.get(f"bf16_{v}") and v_us:
                     row[f"{v}_speedup_vs_bf16_{v}"] = res[f"bf16_{v}"] / v_us
+                elif res.get("bf16") and v_us:  # an int8 option vs the bf16 default
+                    row[f"{v}_speedup_vs_bf16"] = res["bf16"] / v_us
             print(f"  {row}", flush=True)
             rows.append(row)
             if name == "int8" and b == 8:  # a small sweep of int8 tile shapes

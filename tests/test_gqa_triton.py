@@ -435,6 +435,59 @@ def test_decode_int8_v_pairs_interpret(name, flags, device, monkeypatch):
     _assert_within_two_roundings_16bit(pairs, plain)
 
 
+K_SHIFT_CASES = {
+    "group8-int8pc-splits2": DECODE_CASES["group8-int8pc-splits2"],
+    "int8-bias-sink-splits2": Case(
+        s=1, lens=(12, 33), first_prompt=False, cache=torch.int8, bias="heads", sink="head",
+        num_splits=2,
+    ),
+}  # fmt: skip
+
+
+def _k_shift_case(name):
+    """(case, extra decode cfg) of ``K_SHIFT_CASES``; ``fused-``: with the fused prologue."""
+    if name.startswith("fused-"):
+        return K_SHIFT_CASES[name.removeprefix("fused-")], dict(FUSE_PROLOGUE=True)
+    return K_SHIFT_CASES[name], {}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("k_pairs", [False, True])
+@pytest.mark.parametrize("name", [*K_SHIFT_CASES, *(f"fused-{k}" for k in K_SHIFT_CASES)])
+def test_decode_int8_k_shift_interpret(name, k_pairs, device, monkeypatch):
+    """``K_SHIFT`` (an int8 decode option: K enters Q.K as ``k + 1152``, the per-row shift of
+    the logits taken off the running max after the tiles) against the same build without it:
+    both within the fp64 tolerance, within two output roundings of each other (per-channel
+    scales, smooth sink, bias, the fused prologue's new row). Leaving the shift on ``m_i``
+    fails the first check (the sink and the new row see it); shifting K without the shift
+    would too."""
+    c, extra = _k_shift_case(name)
+    extra = dict(extra, K_PAIRS=k_pairs)
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, **extra)
+        plain = _run_and_check(c, device)
+    seen = []
+    orig = launch.gqa_decode_split_kernel
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    _decode_cfg_with(monkeypatch, K_SHIFT=True, **extra)
+    shifted = _run_and_check(c, device)
+    assert seen and all(kw["K_SHIFT"] and kw["K_PAIRS"] == k_pairs for kw in seen)
+    _assert_within_two_roundings_16bit(shifted, plain)
+
+
+@pytest.mark.interpret
+def test_decode_int8_k_shift_off_with_softcap(device, monkeypatch):
+    """A softcap (tanh: not shift-invariant) keeps ``K_SHIFT`` off (``k_shift_ok``); so do
+    16-bit caches."""
+    seen = []
+    orig = launch.gqa_decode_split_kernel
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    _decode_cfg_with(monkeypatch, K_SHIFT=True)
+    _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
+    _run_and_check(DECODE_CASES["ragged-splits4-group4"], device)
+    assert len(seen) == 2 and not any(kw["K_SHIFT"] for kw in seen)
+
+
 def _shift_int8_caches(monkeypatch):
     """Every int8 buffer this test builds (``nan_tensor``) starts 1 byte into its storage."""
     real = nan_tensor
@@ -581,7 +634,7 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
-@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS"])
+@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS", "K_SHIFT"])
 def test_wide_flag_must_be_a_bool(flag, device):
     """``WIDE_I8`` / ``V_PAIRS`` given as 1 is a ValueError naming the key (not a silent other
     build)."""
@@ -1072,6 +1125,23 @@ def test_decode_int8_v_pairs_gpu(name, flags, device, monkeypatch):
     _decode_cfg_with(monkeypatch, **PAIR_FLAGS[flags])
     pairs = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(pairs, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
+                                  "decode-int8-h128-b17-balanced"])  # fmt: skip
+@pytest.mark.parametrize("k_pairs", [False, True])
+def test_decode_int8_k_shift_gpu(name, k_pairs, device, monkeypatch):
+    """``K_SHIFT`` (int8 K as ``k + 1152`` in Q.K) against the same build without it at real
+    sizes (32K keys, S=4 with a bias, the balanced grid; the default fused prologue): fp64
+    tolerance and within two output roundings."""
+    c = GPU_CASES[name]
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, K_PAIRS=k_pairs)
+        plain = _run_and_check(c, device)
+    _decode_cfg_with(monkeypatch, K_PAIRS=k_pairs, K_SHIFT=True)
+    shifted = _run_and_check(c, device)
+    _assert_within_two_roundings_16bit(shifted, plain)
 
 
 @pytest.mark.gpu

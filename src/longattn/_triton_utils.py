@@ -179,40 +179,54 @@ def sm_clock(dep):
     )
 
 
+# The offset of ``int8_to_fp16``'s exact fp16 before its subtract: ``1024 + t + 128``.
+INT8_SHIFT = tl.constexpr(1152.0)
+
+
 @triton.jit
-def int8_to_fp16(t):
+def int8_to_fp16(t, SHIFTED: tl.constexpr = False):
     """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
-    ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element."""
+    ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element. ``SHIFTED``:
+    ``t + INT8_SHIFT`` (also exact), without the subtract (the decode kernels' ``K_SHIFT``)."""
     u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-    return u.to(tl.float16, bitcast=True) - 1152.0
+    if SHIFTED:
+        return u.to(tl.float16, bitcast=True)
+    return u.to(tl.float16, bitcast=True) - INT8_SHIFT
 
 
-def _int8_bytes_to_fp16_asm(sel0: str, sel1: str) -> str:
+def _int8_bytes_to_fp16_asm(sel0: str, sel1: str, shifted: bool = False) -> str:
     """PTX: the four int8 of one 32-bit register ($2) -> two exact fp16 pairs: the bytes that
     byte-permute selectors ``sel0`` / ``sel1`` pick (0-3) under fp16 exponent bytes 0x64 (4),
-    sign bits flipped first and the 1152 subtracted after (``int8_to_fp16``), into $0 / $1."""
+    sign bits flipped first and the 1152 subtracted after (``int8_to_fp16``), into $0 / $1.
+    ``shifted``: without the subtracts (``t + INT8_SHIFT``)."""
+    sub = "" if shifted else "\n    sub.f16x2 $0, $0, c;\n    sub.f16x2 $1, $1, c;"
     return f"""{{
     .reg .b32 u, c;
     xor.b32 u, $2, 0x80808080;
     mov.b32 c, 0x64806480;
     prmt.b32 $0, u, 0x64646464, {sel0};
-    prmt.b32 $1, u, 0x64646464, {sel1};
-    sub.f16x2 $0, $0, c;
-    sub.f16x2 $1, $1, c;
+    prmt.b32 $1, u, 0x64646464, {sel1};{sub}
 }}"""
 
 
 # four int8 in one 32-bit register ($2) -> four exact fp16 in two ($0: bytes 0, 1; $1: 2, 3)
 _INT8X4_TO_FP16_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4140", "0x4342"))
+_INT8X4_TO_FP16_SHIFTED_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4140", "0x4342", True))
 
 
 @triton.jit
-def int8x4_to_fp16(t):
+def int8x4_to_fp16(t, SHIFTED: tl.constexpr = False):
     """``int8_to_fp16`` four bytes at a time (PTX): one xor flips the four sign bits, two byte
     permutes place the bytes under fp16 exponent bytes 0x64 (``1024 + t + 128``), two packed
-    fp16 subtracts remove the 1152. The interpreter runs ``int8_to_fp16`` (same values)."""
+    fp16 subtracts remove the 1152 (not with ``SHIFTED``). The interpreter runs
+    ``int8_to_fp16`` (same values)."""
     if _INTERPRET:
-        return int8_to_fp16(t)
+        return int8_to_fp16(t, SHIFTED)
+    if SHIFTED:
+        return tl.inline_asm_elementwise(
+            asm=_INT8X4_TO_FP16_SHIFTED_ASM, constraints="=r,=r,r", args=[t], dtype=tl.float16,
+            is_pure=True, pack=4,
+        )  # fmt: skip
     return tl.inline_asm_elementwise(
         asm=_INT8X4_TO_FP16_ASM,
         constraints="=r,=r,r",
@@ -246,20 +260,24 @@ def int8_pairs_ok(cache, fp16_operand: bool) -> bool:
 # its high byte: the odd one) -> the even channels as two exact fp16 in $0 (bytes 0, 2), the
 # odd ones in $1 (bytes 1, 3)
 _INT8_PAIRS_TO_FP16_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4240", "0x4341"))
+_INT8_PAIRS_TO_FP16_SHIFTED_ASM = tl.constexpr(_int8_bytes_to_fp16_asm("0x4240", "0x4341", True))
 
 
 @triton.jit
-def int8_pairs_to_fp16(w):
+def int8_pairs_to_fp16(w, SHIFTED: tl.constexpr = False):
     """``(even, odd)`` exact fp16, each of ``w``'s shape: the int8 channel pairs of an int8
     tile read as int16 words ``w`` (byte 0: channel 2j, byte 1: channel 2j + 1), by
     ``int8x4_to_fp16``'s xor / byte permute / fp16 subtract, two words per 32-bit register.
     Read this way a V tile ``[keys, HEAD // 2]`` reaches the P.V MMA operand layout (two
     consecutive keys per register) by ``ldmatrix.trans`` of 16-bit words, where int8 bytes take
-    one shared load each (``cache_to_dot``). The interpreter runs ``int8_to_fp16``."""
+    one shared load each (``cache_to_dot``). ``SHIFTED``: ``t + INT8_SHIFT`` (``int8_to_fp16``).
+    The interpreter runs ``int8_to_fp16``."""
     if _INTERPRET:
         lo = (w & 0xFF).to(tl.uint8)
         hi = ((w >> 8) & 0xFF).to(tl.uint8)
-        return int8_to_fp16(lo), int8_to_fp16(hi)
+        return int8_to_fp16(lo, SHIFTED), int8_to_fp16(hi, SHIFTED)
+    if SHIFTED:
+        return _fp16_pairs_asm(w, _INT8_PAIRS_TO_FP16_SHIFTED_ASM, "=r,=r,r")
     return _fp16_pairs_asm(w, _INT8_PAIRS_TO_FP16_ASM, "=r,=r,r")
 
 
@@ -328,16 +346,17 @@ def int8_words_to_fp16(w, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def cache_to_dot(t, DOT_DTYPE: tl.constexpr, KEYS: tl.constexpr):
+def cache_to_dot(t, DOT_DTYPE: tl.constexpr, KEYS: tl.constexpr, SHIFTED: tl.constexpr = False):
     """A cache tile ``t`` converted to the dot operand dtype (int8 -> exact integers).
 
     int8 -> fp16 skips the I2F unit: K tiles (``KEYS``) reach their MMA operand registers four
     bytes (consecutive channels) per register, which ``int8x4_to_fp16`` converts in 5
     instructions; V tiles arrive one byte per register (key-major pairs), where the
     per-element ``int8_to_fp16`` is cheaper (the byte path: the decode kernels' ``V_PAIRS``
-    default reads V as int16 channel pairs instead, ``int8_pairs_to_fp16``)."""
+    default reads V as int16 channel pairs instead, ``int8_pairs_to_fp16``). ``SHIFTED`` (int8
+    -> fp16 only): ``t + INT8_SHIFT``, one fp16 subtract per two elements fewer."""
     if t.dtype == tl.int8 and DOT_DTYPE == tl.float16:
         if KEYS:
-            return int8x4_to_fp16(t)
-        return int8_to_fp16(t)
+            return int8x4_to_fp16(t, SHIFTED)
+        return int8_to_fp16(t, SHIFTED)
     return t.to(DOT_DTYPE)

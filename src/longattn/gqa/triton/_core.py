@@ -243,14 +243,14 @@ def _load_words(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: t
 
 @triton.jit
 def load_int8_pairs(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
-                 MASKED: tl.constexpr):  # fmt: skip
+                 MASKED: tl.constexpr, SHIFTED: tl.constexpr = False):  # fmt: skip
     """An int8 K or V tile as two exact fp16 halves ``(even, odd)``, each ``[BLOCK_N, HEAD //
     2]`` (channels ``2j`` and ``2j + 1``), read as int16 words (``int8_pairs_to_fp16``; the
     host checks that the base and ``stride_row`` are even): the decode kernels' ``V_PAIRS``
     (for ``online_softmax_pairs``) and ``K_PAIRS`` (for ``scores_pairs``); masking as
-    ``load_kv_tile``."""
+    ``load_kv_tile``; ``SHIFTED``: values ``t + INT8_SHIFT`` (``int8_to_fp16``)."""
     w = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, tl.int16, MASKED)
-    return int8_pairs_to_fp16(w)  # [BLOCK_N, HEAD // 2] x 2
+    return int8_pairs_to_fp16(w, SHIFTED)  # [BLOCK_N, HEAD // 2] x 2
 
 
 @triton.jit
@@ -265,6 +265,7 @@ def load_kv_tile(
     MASKED: tl.constexpr,
     KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
     WIDE_I8: tl.constexpr = False,  # int8 tile -> fp16 read as int32 words (see below)
+    SHIFTED: tl.constexpr = False,  # int8 -> fp16 as t + INT8_SHIFT (not with WIDE_I8)
 ):
     """``[BLOCK_N, HEAD]`` cache tile converted to the dot dtype (int8 -> exact integers).
 
@@ -282,5 +283,5 @@ def load_kv_tile(
     else:  # [BLOCK_N, HEAD] elements
         elems = base.dtype.element_ty
         t = _load_words(base, start_n, stride_row, kv_hi, BLOCK_N, HEAD, elems, MASKED)
-        t = cache_to_dot(t, DOT_DTYPE, KEYS)
+        t = cache_to_dot(t, DOT_DTYPE, KEYS, SHIFTED)
     return t  # [BLOCK_N, HEAD]

@@ -41,7 +41,7 @@ from ..._triton_prologue import (
     rotary_pos,
     store_new_row,
 )
-from ..._triton_utils import cdiv, interleave_channels, wait_prior_grids
+from ..._triton_utils import INT8_SHIFT, cdiv, interleave_channels, wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_int8_pairs,
@@ -66,21 +66,23 @@ def _decode_block(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
-    K_PAIRS: tl.constexpr,
+    K_PAIRS: tl.constexpr, K_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
     to every packed row (the kernel takes such tiles only when every stored row is valid).
     ``V_PAIRS``: ``acc`` / ``acc2`` hold the even / odd output channels (``load_int8_pairs``);
     otherwise ``acc`` holds them all and ``acc2`` is carried unused. ``K_PAIRS``: ``q`` / ``q2``
-    are Q's even / odd channels (``scores_pairs``); otherwise ``q`` is Q and ``q2`` unused."""
+    are Q's even / odd channels (``scores_pairs``); otherwise ``q`` is Q and ``q2`` unused.
+    ``K_SHIFT``: int8 K enters the dot as ``k + INT8_SHIFT`` (see ``_split_part``)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if K_PAIRS:
-        k_e, k_o = load_int8_pairs(k_base, start_n, stride_kc, end, BLOCK_N, HEAD, MASKED)
+        k_e, k_o = load_int8_pairs(k_base, start_n, stride_kc, end, BLOCK_N, HEAD, MASKED,
+                                   K_SHIFT)  # fmt: skip
     else:
         k = load_kv_tile(k_base, start_n, offs_d, stride_kc, end, BLOCK_N, DOT_DTYPE, MASKED,
-                         True, WIDE_I8)  # fmt: skip
+                         True, WIDE_I8, K_SHIFT)  # fmt: skip
     bias = 0.0
     if HAS_BIAS:
         b_ptrs = (
@@ -124,6 +126,7 @@ def _decode_range(
     WIDE_I8: tl.constexpr,
     V_PAIRS: tl.constexpr,
     K_PAIRS: tl.constexpr,
+    K_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
     ``range`` (see prefill._attend_range), so it runs the same body in a while loop."""
@@ -135,7 +138,7 @@ def _decode_range(
                 b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS, K_PAIRS,
+                V_PAIRS, K_PAIRS, K_SHIFT,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -145,7 +148,7 @@ def _decode_range(
                 b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS, K_PAIRS,
+                V_PAIRS, K_PAIRS, K_SHIFT,
             )  # fmt: skip
     return acc, acc2, m_i, l_i
 
@@ -200,6 +203,7 @@ def _split_part(
     HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False, K_PAIRS: tl.constexpr = False,
+    K_SHIFT: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
     kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
@@ -260,6 +264,13 @@ def _split_part(
 
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    shift = 0.0
+    if K_SHIFT:
+        # int8 K enters Q.K as k + INT8_SHIFT (no fp16 subtract per K pair): every logit of a
+        # row grows by the same INT8_SHIFT * sum(Q row) (log2 units below), which the
+        # softmax's running max absorbs; it is taken off m_i after the tiles. (No softcap:
+        # the host gate.)
+        shift = tl.sum(q.to(tl.float32) * row_scale, 1) * (INT8_SHIFT * qk_scale)  # [ROWS_PAD]
     if K_PAIRS:  # Q's even / odd channels [ROWS_PAD, HEAD // 2] each, for scores_pairs
         q_lo, q_hi = tl.split(tl.reshape(q, (ROWS_PAD, HEAD // 2, 2)))
     else:
@@ -294,8 +305,10 @@ def _split_part(
             HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=masked == 1, HAS_WINDOW=HAS_WINDOW,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
             PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
-            K_PAIRS=K_PAIRS,
+            K_PAIRS=K_PAIRS, K_SHIFT=K_SHIFT,
         )  # fmt: skip
+    if K_SHIFT:
+        m_i = m_i - shift  # back to the logits of k; -inf stays -inf
     if V_PAIRS:
         acc = interleave_channels(acc, acc2)  # [ROWS_PAD, HEAD]
 
@@ -415,6 +428,7 @@ def gqa_decode_split_kernel(
     WIDE_I8: tl.constexpr = False,  # int8 K/V tiles read as int32 words (load_kv_tile)
     V_PAIRS: tl.constexpr = False,  # int8 V tiles read as int16 channel pairs (load_int8_pairs)
     K_PAIRS: tl.constexpr = False,  # int8 K tiles too, Q split into even / odd channels
+    K_SHIFT: tl.constexpr = False,  # int8 K tiles as k + INT8_SHIFT (see _split_part)
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -448,6 +462,7 @@ def gqa_decode_split_kernel(
                 INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
                 INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
                 FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
+                K_SHIFT=K_SHIFT,
             )  # fmt: skip
             t = seg_end
     else:
@@ -466,6 +481,7 @@ def gqa_decode_split_kernel(
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
             HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
+            K_SHIFT=K_SHIFT,
         )  # fmt: skip
 
 

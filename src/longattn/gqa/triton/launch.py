@@ -506,6 +506,14 @@ def run_prefill(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, 
     )
 
 
+def k_shift_ok(present_key, dot, softcap: float, wide: bool) -> bool:
+    """Whether the split kernel may take int8 K tiles as ``k + INT8_SHIFT`` (``K_SHIFT``: the
+    conversion's fp16 subtract left out, ``_triton_utils.int8_to_fp16``): an int8 K cache,
+    an fp16 Q.K dot, no softcap (its tanh is not shift-invariant; the per-row shift
+    ``INT8_SHIFT * sum(Q row)`` cancels in the softmax otherwise), not ``WIDE_I8``."""
+    return present_key.dtype == torch.int8 and dot == torch.float16 and softcap <= 0 and not wide
+
+
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
                q_scale=None, fused=None, dot=None, default_cfg=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
@@ -518,7 +526,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     (fp16 P.V dot) read as int16 channel pairs (``_core.load_int8_pairs``), kept off for a V
     cache not 2-byte aligned and under ``WIDE_I8`` (``int8_pairs_ok``); ``cfg["K_PAIRS"]``
     (bool, off): the int8 K cache too (fp16 Q.K dot), Q split into its even / odd channels,
-    same conditions for K."""
+    same conditions for K. ``cfg["K_SHIFT"]`` (bool, off): int8 K enters Q.K as ``k + 1152``
+    (``k_shift_ok``)."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -541,6 +550,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
                                  ("K_PAIRS", present_key, dot == torch.float16)):  # fmt: skip
         on = cfg_flag(cfg, key, False, what="decode cfg")
         cfg[key] = on and not cfg["WIDE_I8"] and int8_pairs_ok(cache, fp16_dot)
+    on = cfg_flag(cfg, "K_SHIFT", False, what="decode cfg")
+    cfg["K_SHIFT"] = on and k_shift_ok(present_key, dot, p.softcap, cfg["WIDE_I8"])
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
