@@ -277,12 +277,15 @@ def _decode_fn(p, cfg=None, splits=None):
 # the variant as "v_pairs" (V_PAIRS on, before it became the default).
 # "k_pairs": the int8 K read as int16 channel pairs too (K_PAIRS, an option, session 36).
 # "k_shift": int8 K enters Q.K as k + 1152 (K_SHIFT, an option, session 39: one fp16 subtract
-# per K pair fewer; sm_90 SASS tile loop 741 -> 660 instructions), "k_pairs_shift" both.
-# 16-bit caches ignore the int8 options, so they time only "unfused" (INT8_ONLY_VARIANTS).
+# per K pair fewer; sm_90 SASS tile loop 741 -> 660 instructions); "kv_shift": V too
+# (V_SHIFT: P.V takes v + 1152, 1152 * l comes off after the tiles; 620), "k_pairs_kv_shift"
+# with K_PAIRS (643 -> 535). 16-bit caches ignore the int8 options, so they time only
+# "unfused" (INT8_ONLY_VARIANTS).
 DECODE_VARIANTS = {"unfused": dict(FUSE_PROLOGUE=False), "v_bytes": dict(V_PAIRS=False),
                    "k_pairs": dict(K_PAIRS=True), "k_shift": dict(K_SHIFT=True),
-                   "k_pairs_shift": dict(K_PAIRS=True, K_SHIFT=True)}  # fmt: skip
-INT8_ONLY_VARIANTS = ("v_bytes", "k_pairs", "k_shift", "k_pairs_shift")
+                   "kv_shift": dict(K_SHIFT=True, V_SHIFT=True),
+                   "k_pairs_kv_shift": dict(K_PAIRS=True, K_SHIFT=True, V_SHIFT=True)}  # fmt: skip
+INT8_ONLY_VARIANTS = ("v_bytes", "k_pairs", "k_shift", "kv_shift", "k_pairs_kv_shift")
 
 
 def _variants_for(cache_dtype) -> list[str]:
@@ -415,16 +418,10 @@ INT8_TILE_SWEEP = [
     dict(BLOCK_N=128, num_warps=4, num_stages=2, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=64, num_warps=4, num_stages=4, V_PAIRS=True, FUSE_PROLOGUE=True, maxnreg=168),
     dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, FUSE_PROLOGUE=True),
-    # K_SHIFT (session 39) takes the fused K_PAIRS build's 8 bytes of stack away: 4 stages too
-    dict(
-        BLOCK_N=128,
-        num_warps=4,
-        num_stages=4,
-        V_PAIRS=True,
-        K_PAIRS=True,
-        K_SHIFT=True,
-        FUSE_PROLOGUE=True,
-    ),
+    # K_SHIFT / V_SHIFT (session 39) take the fused K_PAIRS build's 8 bytes of stack away: 4
+    # stages too
+    dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, K_SHIFT=True,
+         V_SHIFT=True, FUSE_PROLOGUE=True),  # fmt: skip
 ]
 
 

@@ -451,16 +451,20 @@ def _k_shift_case(name):
     return K_SHIFT_CASES[name], {}
 
 
+SHIFT_FLAGS = {"k": dict(K_SHIFT=True), "v": dict(V_SHIFT=True),
+               "kv": dict(K_SHIFT=True, V_SHIFT=True)}  # fmt: skip
+
+
 @pytest.mark.interpret
+@pytest.mark.parametrize("shift", list(SHIFT_FLAGS))
 @pytest.mark.parametrize("k_pairs", [False, True])
 @pytest.mark.parametrize("name", [*K_SHIFT_CASES, *(f"fused-{k}" for k in K_SHIFT_CASES)])
-def test_decode_int8_k_shift_interpret(name, k_pairs, device, monkeypatch):
-    """``K_SHIFT`` (an int8 decode option: K enters Q.K as ``k + 1152``, the per-row shift of
-    the logits taken off the running max after the tiles) against the same build without it:
-    both within the fp64 tolerance, within two output roundings of each other (per-channel
-    scales, smooth sink, bias, the fused prologue's new row). Leaving the shift on ``m_i``
-    fails the first check (the sink and the new row see it); shifting K without the shift
-    would too."""
+def test_decode_int8_k_shift_interpret(name, k_pairs, shift, device, monkeypatch):
+    """``K_SHIFT`` / ``V_SHIFT`` (int8 decode options: K / V enter the dots as ``k + 1152``;
+    the per-row shift of the logits comes off the running max, ``1152 * l`` off the
+    accumulator, after the tiles) against the same build without them: both within the fp64
+    tolerance, within two output roundings of each other (per-channel scales, smooth sink,
+    bias, the fused prologue's new row). Leaving either correction out fails all cases."""
     c, extra = _k_shift_case(name)
     extra = dict(extra, K_PAIRS=k_pairs)
     with monkeypatch.context() as m:
@@ -469,23 +473,26 @@ def test_decode_int8_k_shift_interpret(name, k_pairs, device, monkeypatch):
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
-    _decode_cfg_with(monkeypatch, K_SHIFT=True, **extra)
+    _decode_cfg_with(monkeypatch, **SHIFT_FLAGS[shift], **extra)
     shifted = _run_and_check(c, device)
-    assert seen and all(kw["K_SHIFT"] and kw["K_PAIRS"] == k_pairs for kw in seen)
+    assert seen and all(kw["K_PAIRS"] == k_pairs for kw in seen)
+    for key in ("K_SHIFT", "V_SHIFT"):
+        assert all(kw[key] == (key in SHIFT_FLAGS[shift]) for kw in seen), key
     _assert_within_two_roundings_16bit(shifted, plain)
 
 
 @pytest.mark.interpret
 def test_decode_int8_k_shift_off_with_softcap(device, monkeypatch):
     """A softcap (tanh: not shift-invariant) keeps ``K_SHIFT`` off (``k_shift_ok``); so do
-    16-bit caches."""
+    16-bit caches, which keep ``V_SHIFT`` off too (it needs ``V_PAIRS``)."""
     seen = []
     orig = launch.gqa_decode_split_kernel
     monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
-    _decode_cfg_with(monkeypatch, K_SHIFT=True)
+    _decode_cfg_with(monkeypatch, K_SHIFT=True, V_SHIFT=True)
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
     _run_and_check(DECODE_CASES["ragged-splits4-group4"], device)
     assert len(seen) == 2 and not any(kw["K_SHIFT"] for kw in seen)
+    assert seen[0]["V_SHIFT"] and not seen[1]["V_SHIFT"]  # int8 V with V_PAIRS; 16-bit V
 
 
 def _shift_int8_caches(monkeypatch):
@@ -634,7 +641,7 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
-@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS", "K_SHIFT"])
+@pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS", "K_SHIFT", "V_SHIFT"])
 def test_wide_flag_must_be_a_bool(flag, device):
     """``WIDE_I8`` / ``V_PAIRS`` given as 1 is a ValueError naming the key (not a silent other
     build)."""
@@ -1130,16 +1137,18 @@ def test_decode_int8_v_pairs_gpu(name, flags, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["decode-int8pc-bf16-32k-sink", "decode-s4-int8-h64",
                                   "decode-int8-h128-b17-balanced"])  # fmt: skip
-@pytest.mark.parametrize("k_pairs", [False, True])
-def test_decode_int8_k_shift_gpu(name, k_pairs, device, monkeypatch):
-    """``K_SHIFT`` (int8 K as ``k + 1152`` in Q.K) against the same build without it at real
-    sizes (32K keys, S=4 with a bias, the balanced grid; the default fused prologue): fp64
-    tolerance and within two output roundings."""
+@pytest.mark.parametrize("shift", ["kv", "kv-pairs", "v"])
+def test_decode_int8_k_shift_gpu(name, shift, device, monkeypatch):
+    """``K_SHIFT`` / ``V_SHIFT`` (int8 K / V as ``k + 1152`` in the dots) against the same
+    build without them at real sizes (32K keys, S=4 with a bias, the balanced grid; the
+    default fused prologue; ``-pairs``: with ``K_PAIRS``): fp64 tolerance and within two
+    output roundings."""
     c = GPU_CASES[name]
+    k_pairs = shift.endswith("-pairs")
     with monkeypatch.context() as m:
         _decode_cfg_with(m, K_PAIRS=k_pairs)
         plain = _run_and_check(c, device)
-    _decode_cfg_with(monkeypatch, K_PAIRS=k_pairs, K_SHIFT=True)
+    _decode_cfg_with(monkeypatch, K_PAIRS=k_pairs, **SHIFT_FLAGS[shift.removesuffix("-pairs")])
     shifted = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(shifted, plain)
 

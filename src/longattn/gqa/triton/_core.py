@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cache_to_dot, int8_pairs_to_fp16, int8_words_to_fp16
+from ..._triton_utils import INT8_SHIFT, cache_to_dot, int8_pairs_to_fp16, int8_words_to_fp16
 
 LOG2E = 1.4426950408889634
 
@@ -191,16 +191,29 @@ def softmax_weights(m_i, l_i, s, unit):
 
 
 @triton.jit
-def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl.constexpr):
+def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl.constexpr,
+                         V_SHIFT: tl.constexpr = False):  # fmt: skip
     """``online_softmax_step`` with V in two halves (``load_int8_pairs``): the even channels
     ``v_e`` and the odd ones ``v_o`` ``[BLOCK_N, HEAD // 2]``, accumulated into ``acc_e`` /
     ``acc_o`` ``[M, HEAD // 2]`` by two dots of the same P (the MMAs of one ``HEAD``-wide
-    dot); ``_triton_utils.interleave_channels`` puts the halves back together after the loop."""
-    p, alpha, m_new, l_i = softmax_weights(m_i, l_i, s, unit)
+    dot); ``_triton_utils.interleave_channels`` puts the halves back together after the loop.
+    ``V_SHIFT``: V holds ``v + INT8_SHIFT`` and ``l`` sums the rounded weights the dots take,
+    so that ``acc - INT8_SHIFT * l`` is the accumulator of ``v`` (``unshift_acc``)."""
+    p, alpha, m_new, l_new = softmax_weights(m_i, l_i, s, unit)
     pv = p.to(v_e.dtype)  # [M, BLOCK_N]
+    if V_SHIFT:
+        l_new = l_i * alpha + tl.sum(pv.to(tl.float32), 1)
+    l_i = l_new
     acc_e = tl.dot(pv, v_e, acc_e * alpha[:, None], input_precision=DOT_PREC)
     acc_o = tl.dot(pv, v_o, acc_o * alpha[:, None], input_precision=DOT_PREC)
     return acc_e, acc_o, m_new, l_i
+
+
+@triton.jit
+def unshift_acc(acc, l_i):
+    """The accumulator of ``v`` from that of ``v + INT8_SHIFT`` (``online_softmax_pairs``'
+    ``V_SHIFT``; every tile's weights summed into ``l_i``): ``[M, C]`` fp32."""
+    return acc - INT8_SHIFT * l_i[:, None]
 
 
 @triton.jit

@@ -55,6 +55,7 @@ from ._core import (
     scores,
     scores_pairs,
     softcap_log2,
+    unshift_acc,
 )
 
 
@@ -66,7 +67,7 @@ def _decode_block(
     MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     PV_DTYPE: tl.constexpr, WIDE_I8: tl.constexpr, V_PAIRS: tl.constexpr,
-    K_PAIRS: tl.constexpr, K_SHIFT: tl.constexpr,
+    K_PAIRS: tl.constexpr, K_SHIFT: tl.constexpr, V_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [start_n, start_n + BLOCK_N) for every packed row. ``MASKED``: keys >= end
     are not read and the causal/window mask applies; otherwise every key of the tile is visible
@@ -74,7 +75,8 @@ def _decode_block(
     ``V_PAIRS``: ``acc`` / ``acc2`` hold the even / odd output channels (``load_int8_pairs``);
     otherwise ``acc`` holds them all and ``acc2`` is carried unused. ``K_PAIRS``: ``q`` / ``q2``
     are Q's even / odd channels (``scores_pairs``); otherwise ``q`` is Q and ``q2`` unused.
-    ``K_SHIFT``: int8 K enters the dot as ``k + INT8_SHIFT`` (see ``_split_part``)."""
+    ``K_SHIFT`` / ``V_SHIFT``: int8 K / V (with ``V_PAIRS``) enter the dots as ``k + INT8_SHIFT``
+    (see ``_split_part``)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if K_PAIRS:
@@ -104,9 +106,10 @@ def _decode_block(
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))  # [ROWS_PAD, BLOCK_N]
     if V_PAIRS:
-        v_e, v_o = load_int8_pairs(v_base, start_n, stride_vc, end, BLOCK_N, HEAD, MASKED)
+        v_e, v_o = load_int8_pairs(v_base, start_n, stride_vc, end, BLOCK_N, HEAD, MASKED,
+                                   V_SHIFT)  # fmt: skip
         acc, acc2, m_i, l_i = online_softmax_pairs(acc, acc2, m_i, l_i, s, unit, v_e, v_o,
-                                                   DOT_PREC)  # fmt: skip
+                                                   DOT_PREC, V_SHIFT)  # fmt: skip
     else:
         v = load_kv_tile(v_base, start_n, offs_d, stride_vc, end, BLOCK_N, PV_DTYPE, MASKED,
                          False, WIDE_I8)  # fmt: skip
@@ -127,6 +130,7 @@ def _decode_range(
     V_PAIRS: tl.constexpr,
     K_PAIRS: tl.constexpr,
     K_SHIFT: tl.constexpr,
+    V_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... < hi. The interpreter (numpy 2) cannot take tensor bounds in
     ``range`` (see prefill._attend_range), so it runs the same body in a while loop."""
@@ -138,7 +142,7 @@ def _decode_range(
                 b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS, K_PAIRS, K_SHIFT,
+                V_PAIRS, K_PAIRS, K_SHIFT, V_SHIFT,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
@@ -148,7 +152,7 @@ def _decode_range(
                 b64, start_n, end, window, stride_kc, stride_vc, stride_bias_b, stride_bias_n,
                 stride_bias_s, stride_bias_t, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 MASKED, HAS_WINDOW, HAS_SOFTCAP, HAS_BIAS, DOT_DTYPE, DOT_PREC, PV_DTYPE, WIDE_I8,
-                V_PAIRS, K_PAIRS, K_SHIFT,
+                V_PAIRS, K_PAIRS, K_SHIFT, V_SHIFT,
             )  # fmt: skip
     return acc, acc2, m_i, l_i
 
@@ -203,7 +207,7 @@ def _split_part(
     HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False, K_PAIRS: tl.constexpr = False,
-    K_SHIFT: tl.constexpr = False,
+    K_SHIFT: tl.constexpr = False, V_SHIFT: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
     kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
@@ -269,7 +273,9 @@ def _split_part(
         # int8 K enters Q.K as k + INT8_SHIFT (no fp16 subtract per K pair): every logit of a
         # row grows by the same INT8_SHIFT * sum(Q row) (log2 units below), which the
         # softmax's running max absorbs; it is taken off m_i after the tiles. (No softcap:
-        # the host gate.)
+        # the host gate.) V_SHIFT (with V_PAIRS): int8 V enters P.V as v + INT8_SHIFT, l_i
+        # sums the rounded weights the dots take, and INT8_SHIFT * l_i comes off acc after the
+        # tiles (before the new row's fold, which adds its own v).
         shift = tl.sum(q.to(tl.float32) * row_scale, 1) * (INT8_SHIFT * qk_scale)  # [ROWS_PAD]
     if K_PAIRS:  # Q's even / odd channels [ROWS_PAD, HEAD // 2] each, for scores_pairs
         q_lo, q_hi = tl.split(tl.reshape(q, (ROWS_PAD, HEAD // 2, 2)))
@@ -305,8 +311,11 @@ def _split_part(
             HEAD=HEAD, BLOCK_N=BLOCK_N, MASKED=masked == 1, HAS_WINDOW=HAS_WINDOW,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_BIAS=HAS_BIAS, DOT_DTYPE=DOT_DTYPE, DOT_PREC=DOT_PREC,
             PV_DTYPE=PV_DTYPE, INTERPRET=INTERPRET, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS,
-            K_PAIRS=K_PAIRS, K_SHIFT=K_SHIFT,
+            K_PAIRS=K_PAIRS, K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
         )  # fmt: skip
+    if V_SHIFT:
+        acc = unshift_acc(acc, l_i)
+        acc2 = unshift_acc(acc2, l_i)
     if K_SHIFT:
         m_i = m_i - shift  # back to the logits of k; -inf stays -inf
     if V_PAIRS:
@@ -429,6 +438,7 @@ def gqa_decode_split_kernel(
     V_PAIRS: tl.constexpr = False,  # int8 V tiles read as int16 channel pairs (load_int8_pairs)
     K_PAIRS: tl.constexpr = False,  # int8 K tiles too, Q split into even / odd channels
     K_SHIFT: tl.constexpr = False,  # int8 K tiles as k + INT8_SHIFT (see _split_part)
+    V_SHIFT: tl.constexpr = False,  # int8 V tiles (V_PAIRS) as v + INT8_SHIFT (_split_part)
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -462,7 +472,7 @@ def gqa_decode_split_kernel(
                 INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
                 INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
                 FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-                K_SHIFT=K_SHIFT,
+                K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
             )  # fmt: skip
             t = seg_end
     else:
@@ -481,7 +491,7 @@ def gqa_decode_split_kernel(
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
             HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-            K_SHIFT=K_SHIFT,
+            K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
         )  # fmt: skip
 
 

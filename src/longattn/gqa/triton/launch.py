@@ -527,7 +527,8 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     cache not 2-byte aligned and under ``WIDE_I8`` (``int8_pairs_ok``); ``cfg["K_PAIRS"]``
     (bool, off): the int8 K cache too (fp16 Q.K dot), Q split into its even / odd channels,
     same conditions for K. ``cfg["K_SHIFT"]`` (bool, off): int8 K enters Q.K as ``k + 1152``
-    (``k_shift_ok``)."""
+    (``k_shift_ok``); ``cfg["V_SHIFT"]`` (bool, off): int8 V as ``v + 1152`` in P.V, with
+    ``V_PAIRS`` only (``_core.online_softmax_pairs``)."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -552,6 +553,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         cfg[key] = on and not cfg["WIDE_I8"] and int8_pairs_ok(cache, fp16_dot)
     on = cfg_flag(cfg, "K_SHIFT", False, what="decode cfg")
     cfg["K_SHIFT"] = on and k_shift_ok(present_key, dot, p.softcap, cfg["WIDE_I8"])
+    cfg["V_SHIFT"] = cfg_flag(cfg, "V_SHIFT", False, what="decode cfg") and cfg["V_PAIRS"]
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
