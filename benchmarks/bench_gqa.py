@@ -420,8 +420,16 @@ INT8_TILE_SWEEP = [
     dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, FUSE_PROLOGUE=True),
     # K_SHIFT / V_SHIFT (session 39) take the fused K_PAIRS build's 8 bytes of stack away: 4
     # stages too
-    dict(BLOCK_N=128, num_warps=4, num_stages=4, V_PAIRS=True, K_PAIRS=True, K_SHIFT=True,
-         V_SHIFT=True, FUSE_PROLOGUE=True),  # fmt: skip
+    dict(
+        BLOCK_N=128,
+        num_warps=4,
+        num_stages=4,
+        V_PAIRS=True,
+        K_PAIRS=True,
+        K_SHIFT=True,
+        V_SHIFT=True,
+        FUSE_PROLOGUE=True,
+    ),
 ]
 
 
