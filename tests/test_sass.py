@@ -418,6 +418,28 @@ def test_gqa_int8_k_pairs_keep_q_in_ldmatrix_operands():
     assert all(loop.get("LDL", 0) == 0 for loop in both["loops"])
 
 
+@pytest.mark.parametrize("pairs", ["", ",K_PAIRS=True"])
+def test_gqa_int8_shifts_drop_the_fp16_subtracts(pairs):
+    """``K_SHIFT`` + ``V_SHIFT`` (int8 decode options: K and V enter the dots as ``k + 1152``,
+    the shift taken off after the tiles): the fused default build's unmasked 128-key tile
+    keeps its MMAs and loses the conversions' packed fp16 subtracts (128 ``HADD2`` -> the
+    16 that widen P's fp16 weights into ``l``): 741 -> 620 instructions at session 39 (with
+    ``K_PAIRS``: 643 -> 535), no stack."""
+    base = ("--cache", "i8", "--stages", "3", "--set")
+    cfg = f"BLOCK_N=128,V_PAIRS=True,FUSE_PROLOGUE=True{pairs}"
+    shifted = _sass("gqa-decode", *base, cfg + ",K_SHIFT=True,V_SHIFT=True")
+    plain = _sass("gqa-decode", *base, cfg)
+
+    def unmasked(res):
+        return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
+
+    s, p = unmasked(shifted), unmasked(plain)
+    assert s.get("HMMA", 0) == p.get("HMMA", 0) > 0
+    assert s.get("HADD2", 0) <= 16 and p.get("HADD2", 0) >= 128, (s, p)
+    assert sum(s.values()) + 100 <= sum(p.values()), (sum(s.values()), sum(p.values()))
+    assert shifted["stack"] == 0
+
+
 @pytest.mark.parametrize("flag,loop_max", [("WIDE_I8", 620), ("V_PAIRS", 690)])
 def test_dsa_int8_word_reads_cut_the_tile_loop(flag, loop_max):
     """The int8 DSA read paths of wider words (H=256, BLOCK_N 32, 1 stage at 168 registers):
