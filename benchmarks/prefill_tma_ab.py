@@ -59,6 +59,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
             "gluon_ekr_q2k2v1_tma",
             _gl(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1, EPILOGUE_TMA=True),
         ),
+        # FA3's intra-warpgroup overlap: tile j's softmax while tile j-1's P.V runs (session
+        # 39; sm_90 SASS: no spills in the H=128 tile loop, 23-26 local loads at H=256)
+        ("gluon_overlap", _gl(OVERLAP=True)),
+        ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True)),
     ]
     return out
 

@@ -265,6 +265,8 @@ def main(argv=None):
                     memory=memory_ops(res["sass"]),
                     loops=loops(res["sass"]),
                     hgmma_rs=len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", res["sass"])),
+                    # waits that leave one wgmma group in flight (an overlapped schedule)
+                    hgmma_wait1=len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", res["sass"])),
                     clock_reads=len(re.findall(r"SR_CLOCKLO", res["sass"])),
                 )
             )

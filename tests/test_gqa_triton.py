@@ -936,6 +936,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "epilogue_tma",
         "q2_k2_v1_early_k_tma",
         "long_items",
+        "overlap",
+        "overlap_early_k",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -957,7 +959,10 @@ def test_prefill_gluon_gpu(name, variant, device):
                                           EPILOGUE_TMA=True),
                 # the shape of sequences past GLUON_SHORT_TOTAL (H=256: one Q pair)
                 long_items=dict(Q_SLOTS=2, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False,
-                                EPILOGUE_TMA=False))[variant]  # fmt: skip
+                                EPILOGUE_TMA=False),
+                # softmax of tile j while P.V of tile j-1 runs (an option, session 39)
+                overlap=dict(OVERLAP=True),
+                overlap_early_k=dict(OVERLAP=True, EARLY_K_RELEASE=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

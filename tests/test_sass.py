@@ -142,6 +142,19 @@ def test_prefill_gluon_short_item_shape_compiles():
     assert all(c.get("LDL", 0) + c.get("STL", 0) <= 8 for c in tile_loops), tile_loops
 
 
+def test_prefill_gluon_overlap_keeps_the_h128_tile_loop_in_registers():
+    """``OVERLAP`` (a Gluon prefill option: tile j's softmax while tile j-1's P.V runs): the
+    H=128 build keeps its tile loop free of local memory (QK^T's logits, P and the
+    accumulator live at once: 168 registers at launch, 240 per consumer), issues both wgmma
+    groups back to back (16 HGMMA per tile) and waits for the older one first (``WARPGROUP.
+    DEPBAR.LE gsb0, 0x1``), where the default waits for each group alone."""
+    over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True")
+    plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False")
+    tile = min((c for c in over["loops"] if c.get("HGMMA", 0)), key=lambda c: sum(c.values()))
+    assert tile["HGMMA"] == 16 and tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
+    assert over["regs"] == 168 and over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
+
+
 def test_wgmma_probe_compiles_all_three_operand_paths():
     """``benchmarks/gluon_wgmma_probe.py`` (the GPU check of the register-operand paths): for
     K = 256, 16 k-steps of A from shared memory, 16 of A from registers, and 8 + 8 split."""

@@ -334,6 +334,9 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
       ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at every measured shape,
       H=128 and 256, S=2K..32K); EPILOGUE_TMA: from there by one TMA store per tile (where the
       output is TMA-able).
+    - OVERLAP (off; session 39, untimed): FA3's intra-warpgroup overlap, tile j's softmax while
+      tile j-1's P.V runs (``prefill_gluon._attend_overlapped``; sm_90 SASS: no spills in the
+      H=128 tile loop, 23-26 local loads per tile at H=256).
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs. H = 256: 64-key tiles; sequences of
     more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
@@ -344,7 +347,7 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
                PERSISTENT=True, DYNAMIC=True, ORDER=2,
-               EPILOGUE_SMEM=True, EPILOGUE_TMA=False)  # fmt: skip
+               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
     return cfg

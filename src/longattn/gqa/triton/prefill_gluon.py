@@ -245,16 +245,35 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
 
 
 @gluon.jit
+def _softmax_step(s, unit, m_i, l_i):
+    """One tile of the online softmax: ``(p [64, BLOCK_N], alpha [64], m [64], l [64])`` from the
+    masked logits ``s`` (``s * unit`` in the log2 domain) and the running max / denominator."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * unit)  # [64]
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
     slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
     EARLY_K_RELEASE: a K slot is released right after its QK^T (else with the V slot, after
-    P.V), so the producer refills it during the softmax and P.V."""
+    P.V), so the producer refills it during the softmax and P.V. OVERLAP (FA3's intra-warpgroup
+    overlap): tile j's QK^T and tile j-1's P.V are issued back to back, and tile j's softmax
+    runs while that P.V is on the tensor cores (``_attend_overlapped``)."""
+    if OVERLAP:
+        return _attend_overlapped(
+            it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
+            k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
+            V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -277,12 +296,7 @@ def _attend(
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
-        m_new = gl.maximum(m_i, gl.max(s, 1) * unit)  # [64]
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # registers: wgmma A operand
         mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
@@ -291,6 +305,77 @@ def _attend(
         mbarrier.arrive(v_empty.index(vs), count=1)
         if not EARLY_K_RELEASE:
             mbarrier.arrive(k_empty.index(ks), count=1)
+        it += 1
+    return acc, m_i, l_i, it
+
+
+@gluon.jit
+def _attend_overlapped(
+    it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
+    softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+):  # fmt: skip
+    """``_attend`` with tile j's QK^T issued before tile j-1's P.V, and tile j's logits and
+    softmax computed while that P.V runs (wgmma groups complete in order: the wait for one
+    outstanding group is the QK^T's). Tile j-1's weights ``p`` and rescale ``alpha`` are
+    carried into step j; the last tile's P.V follows the loop."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=o_layout)  # [64, HEAD]
+    m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
+    s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    if n_tiles > 0:
+        # tile 0: QK^T and softmax (its P.V is issued with tile 1's QK^T)
+        ks = it % STAGES
+        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
+        if EARLY_K_RELEASE:
+            mbarrier.arrive(k_empty.index(ks), count=1)
+        s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos, r_lo,
+                          r_hi, window, qk_scale, softcap_mult, n_tiles == 1, s_layout, BLOCK_N,
+                          HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        for j in range(1, n_tiles):
+            prev = it  # tile j-1's ring counter
+            it += 1
+            ks = it % STAGES
+            vs = prev % V_STAGES
+            start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+            p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # tile j-1's weights
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            mbarrier.wait(v_ready.index(vs), (prev // V_STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk,))  # QK^T(j) done; P.V(j-1) may still run
+            if EARLY_K_RELEASE:
+                mbarrier.arrive(k_empty.index(ks), count=1)
+            s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window,
+                              qk_scale, softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N,
+                              HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            if not EARLY_K_RELEASE:
+                mbarrier.arrive(k_empty.index(prev % STAGES), count=1)
+        # the last tile's P.V
+        vs = it % V_STAGES
+        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        if not EARLY_K_RELEASE:
+            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
         it += 1
     return acc, m_i, l_i, it
 
@@ -309,7 +394,7 @@ def _consumer(
     STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
-    EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
+    EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
@@ -335,7 +420,7 @@ def _consumer(
             it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW,
-            HAS_SOFTCAP)  # fmt: skip
+            HAS_SOFTCAP, OVERLAP)  # fmt: skip
         if not EPILOGUE_SMEM:
             mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
         m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
@@ -421,6 +506,7 @@ def gqa_prefill_gluon_kernel(
     DYNAMIC: gl.constexpr,  # items claimed from counter_ptr (else CTA c takes c, c + G, ...)
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
+    OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -452,12 +538,12 @@ def gqa_prefill_gluon_kernel(
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)),
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP)),
             (_consumer, (1, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)),
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
