@@ -46,7 +46,7 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ("gluon_epi_4byte", _gl(EPILOGUE_SMEM=False)),  # 4-byte stores from the accumulator
         # K slots refilled after QK^T (separate K / V rings); with 2 Q slots at H=256 the V
         # ring keeps one slot (Q 128 KiB + K 64 + V 32 fits 227 KiB)
-        ("gluon_ekr", _gl(EARLY_K_RELEASE=True)),
+        ("gluon_ekr", _gl(EARLY_K_RELEASE=True, OVERLAP=False)),
         ("gluon_ekr_k3v2", _gl(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2)),  # H=256: 1 Q slot
         ("gluon_ekr_q2k2v1", _gl(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1)),
         ("gluon_q2k2v1", _gl(Q_SLOTS=2, STAGES=2, V_STAGES=1)),
@@ -61,7 +61,8 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ),
         # FA3's intra-warpgroup overlap: tile j's softmax while tile j-1's P.V runs (session
         # 39; sm_90 SASS: no spills in the H=128 tile loop, 23-26 local loads at H=256)
-        ("gluon_overlap", _gl(OVERLAP=True)),
+        ("gluon_overlap", _gl(OVERLAP=True, EARLY_K_RELEASE=False)),
+        ("gluon_plain", _gl(OVERLAP=False, EARLY_K_RELEASE=False)),  # H=128 before session 39
         ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True)),
     ]
     return out

@@ -1010,23 +1010,43 @@ def test_prefill_gluon_smem_fit(head, over, want):
 def test_prefill_gluon_config_short_items():
     """H=256 sequences of up to GLUON_SHORT_TOTAL keys take the short-item ring shape (2 Q pairs,
     1 V slot, early K release, TMA output stores), which fits shared memory as it is; longer or
-    unknown lengths and H <= 128 keep 2 + 2 K / V slots without them."""
+    unknown lengths keep 2 + 2 K / V slots without them. H=128 keeps 2 + 2 slots, releases K
+    early, and overlaps the softmax with P.V past GLUON_OVERLAP_MIN_TOTAL keys (or unknown);
+    H=64 (not measured) keeps the plain build. Nowhere else does OVERLAP run."""
     short = launch.prefill_gluon_config(256, launch.GLUON_SHORT_TOTAL)
     assert (short["Q_SLOTS"], short["STAGES"], short["V_STAGES"]) == (2, 2, 1)
-    assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"]
+    assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"] and not short["OVERLAP"]
     assert launch.fit_prefill_gluon_smem(short, 256, 2) == short
-    for head, total in ((256, launch.GLUON_SHORT_TOTAL + 1), (256, 0), (128, 2048), (64, 2048)):
+    for head, total in ((256, launch.GLUON_SHORT_TOTAL + 1), (256, 0), (64, 2048), (64, 0)):
         cfg = launch.prefill_gluon_config(head, total)
         assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
+        assert not cfg["OVERLAP"]
+    edge = launch.GLUON_OVERLAP_MIN_TOTAL
+    for total, overlap in (
+        (2048, False),
+        (edge, False),
+        (edge + 1, True),
+        (32768, True),
+        (0, True),
+    ):
+        cfg = launch.prefill_gluon_config(128, total)
+        assert (cfg["Q_SLOTS"], cfg["STAGES"], cfg["V_STAGES"]) == (2, 2, 2)
+        assert cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"] and cfg["OVERLAP"] == overlap
 
 
 _RING_CASES = {
-    "h256-short": (GPU_CASES["prefill-first-bf16-h256-window-softcap"], (2, 2, 1, True)),
+    "h256-short": (GPU_CASES["prefill-first-bf16-h256-window-softcap"], (2, 2, 1, True, False)),
     "h256-long": (  # 8200 past + 64 new = 8264 keys
         Case(b=1, s=64, lens=(8200,), n=8, kv=2, h=256, act=torch.bfloat16, first_prompt=False),
-        (1, 2, 2, False),
+        (1, 2, 2, False, False),
     ),
-    "h128": (GPU_CASES["prefill-first-bf16-h128-4k"], (2, 2, 2, False)),
+    "h128": (GPU_CASES["prefill-first-bf16-h128-4k"], (2, 2, 2, False, False)),
+    "h128-overlap": (  # 8256 / 5000 past + 256 new keys: past GLUON_OVERLAP_MIN_TOTAL
+        Case(
+            b=2, s=256, lens=(8256, 5000), n=8, kv=2, h=128, act=torch.bfloat16, first_prompt=False
+        ),
+        (2, 2, 2, False, True),
+    ),
 }
 
 
@@ -1035,7 +1055,8 @@ _RING_CASES = {
 def test_prefill_gluon_default_ring_shape_gpu(name, device, monkeypatch):
     """The Gluon prefill's default build by sequence length (``prefill_gluon_config``): H=256 up
     to GLUON_SHORT_TOTAL keys takes the short-item shape (2 Q pairs, 1 V slot, TMA stores),
-    longer H=256 and H=128 the two-slot rings; each against fp64."""
+    longer H=256 and H=128 the two-slot rings, H=128 past GLUON_OVERLAP_MIN_TOTAL keys the
+    overlapped softmax; each against fp64."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Gluon prefill is built for sm_90")
     case, want = _RING_CASES[name]
@@ -1045,7 +1066,8 @@ def test_prefill_gluon_default_ring_shape_gpu(name, device, monkeypatch):
     )
     _run_and_check(dataclasses.replace(case, force_path="prefill_gluon"), device)
     got = seen[-1]
-    assert (got["Q_SLOTS"], got["STAGES"], got["V_STAGES"], got["EPILOGUE_TMA"]) == want, got
+    shape = (got["Q_SLOTS"], got["STAGES"], got["V_STAGES"], got["EPILOGUE_TMA"], got["OVERLAP"])
+    assert shape == want, got
 
 
 @pytest.mark.gpu

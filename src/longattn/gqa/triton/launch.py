@@ -334,11 +334,14 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
       ``benchmarks/results/prefill_gluon_ab9_h200.json``: +1 to +9% at every measured shape,
       H=128 and 256, S=2K..32K); EPILOGUE_TMA: from there by one TMA store per tile (where the
       output is TMA-able).
-    - OVERLAP (off; session 39, untimed): FA3's intra-warpgroup overlap, tile j's softmax while
-      tile j-1's P.V runs (``prefill_gluon._attend_overlapped``; sm_90 SASS: no spills in the
-      H=128 tile loop, 23-26 local loads per tile at H=256).
+    - OVERLAP: FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
+      (``prefill_gluon._attend_overlapped``; sm_90 SASS: no spills in the H=128 tile loop,
+      23-26 local loads per tile at H=256, where it ran 3-30% slower).
 
-    H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs. H = 256: 64-key tiles; sequences of
+    H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
+    for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
+    softmax with P.V (see there for the measurements; H = 64 was not measured and keeps the
+    plain build). H = 256: 64-key tiles; sequences of
     more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
     not hold 2); shorter ones, whose items are a few tiles long, the short-item shape: 2 Q
     pairs, 2 K slots refilled early, 1 V slot, TMA output stores, so the next item's Q is
@@ -350,8 +353,20 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
                EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
+    if head == 128:
+        cfg.update(EARLY_K_RELEASE=True, OVERLAP=not 0 < max_total <= GLUON_OVERLAP_MIN_TOTAL)
     return cfg
 
+
+# H=128: sequences of more than this many keys (or unknown) take OVERLAP. H100, same process,
+# three runs of 5 / 7 / 15 interleaved rounds (benchmarks/results/
+# prefill_gluon_overlap{,_run2,_run3}_session39_h100.json), us, session-38 build -> early K
+# release -> early K release + OVERLAP: S=2K 575.5 / 576.3 / 574.8 -> 572.0 / 572.3 -> 590.0 /
+# 594.1 / 593.0 (OVERLAP +3-4%: short items pay its unoverlapped first and last tiles); S=8K
+# 1976.0 / 1994.6 / 1997.8 -> 1931.5 / 1950.9 -> 1899.5 / 1903.7 / 1922.0 (-3.8 to -4.6%); S=32K
+# 14978.3 / 15371.4 / 14975.2 -> 15148.0 / 14780.2 -> 14546.5 / 14531.7 / 14761.5 (-1.4 to
+# -5.5%). 4K was not timed: the bound sits between the losing 2K and the winning 8K.
+GLUON_OVERLAP_MIN_TOTAL = 4096
 
 GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
 

@@ -28,10 +28,14 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
 - output rows leave through the item's freed Q tile (``EPILOGUE_SMEM``), by 16-byte stores or
   one TMA store per 64-row tile (``EPILOGUE_TMA``).
 
+- ``OVERLAP`` (H = 128 past ``launch.GLUON_OVERLAP_MIN_TOTAL`` keys, with ``EARLY_K_RELEASE``):
+  FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
+  (``_attend_overlapped``); session 39, H100: -1.4 to -5.5% at S = 8K / 32K, +3-4% at 2K.
+
 Measured (same process, ``benchmarks/results/prefill_gluon_ab{1..6}_h200.json``): the dynamic
-ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept:
-FA3's explicit intra-warpgroup overlap (softmax of tile j during PV of j-1; 2-9% slower) and
-inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
+ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept
+then (session 13, the static schedule): FA3's intra-warpgroup overlap (2-9% slower; retried as
+``OVERLAP`` in session 39, above) and inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
 sequence length (slower in 5 of 6 shapes), three consumer warpgroups with BLOCK_N 64 (-5 to
 +2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%), Q as the register
 A operand of QK^T (8-9% slower at H = 128, and its output was wrong; not debugged). Session 37
