@@ -260,6 +260,34 @@ def _softmax_step(s, unit, m_i, l_i):
 
 
 @gluon.jit
+def _attend_init(HEAD: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A warpgroup's empty online-softmax state: (acc [64, HEAD] fp32 zeros, m [64] -inf,
+    l [64] zeros, and the [64, BLOCK_N] zeros that QK^T's wgmma takes as its accumulator)."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=_wgmma_layout(HEAD))  # [64, HEAD]
+    m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
+    s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    return acc, m_i, l_i, s_zero
+
+
+@gluon.jit
+def _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES: gl.constexpr,
+             EARLY_K_RELEASE: gl.constexpr):  # fmt: skip
+    """QK^T of the K ring's tile ``it`` alone (issued and waited for): [64, BLOCK_N] fp32; with
+    EARLY_K_RELEASE its slot is released at once."""
+    ks = it % STAGES
+    mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+    qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)  # fmt: skip
+    qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
+    if EARLY_K_RELEASE:
+        mbarrier.arrive(k_empty.index(ks), count=1)
+    return qk
+
+
+@gluon.jit
 def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
@@ -281,22 +309,12 @@ def _attend(
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=o_layout)  # [64, HEAD]
-    m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
-    s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     for j in range(n_tiles):
-        ks = it % STAGES
         vs = it % V_STAGES
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-        qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)  # fmt: skip
-        qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
-        if EARLY_K_RELEASE:
-            mbarrier.arrive(k_empty.index(ks), count=1)
+        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE)
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
@@ -308,7 +326,7 @@ def _attend(
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(vs), count=1)
         if not EARLY_K_RELEASE:
-            mbarrier.arrive(k_empty.index(ks), count=1)
+            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
         it += 1
     return acc, m_i, l_i, it
 
@@ -327,21 +345,11 @@ def _attend_overlapped(
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = gl.zeros([ROWS_PER_WG, HEAD], gl.float32, layout=o_layout)  # [64, HEAD]
-    m_i = gl.full([ROWS_PER_WG], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([ROWS_PER_WG], gl.float32, layout=row_s)
-    s_zero = gl.zeros([ROWS_PER_WG, BLOCK_N], gl.float32, layout=s_layout)
+    acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     if n_tiles > 0:
         # tile 0: QK^T and softmax (its P.V is issued with tile 1's QK^T)
-        ks = it % STAGES
-        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-        qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)  # fmt: skip
-        qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
-        if EARLY_K_RELEASE:
-            mbarrier.arrive(k_empty.index(ks), count=1)
+        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE)
         s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos, r_lo,
                           r_hi, window, qk_scale, softcap_mult, n_tiles == 1, s_layout, BLOCK_N,
                           HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
