@@ -143,13 +143,14 @@ def test_prefill_gluon_short_item_shape_compiles():
 
 
 def test_prefill_gluon_overlap_keeps_the_h128_tile_loop_in_registers():
-    """``OVERLAP`` (a Gluon prefill option: tile j's softmax while tile j-1's P.V runs): the
-    H=128 build keeps its tile loop free of local memory (QK^T's logits, P and the
-    accumulator live at once: 168 registers at launch, 240 per consumer), issues both wgmma
-    groups back to back (16 HGMMA per tile) and waits for the older one first (``WARPGROUP.
-    DEPBAR.LE gsb0, 0x1``), where the default waits for each group alone."""
-    over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True")
-    plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False")
+    """``OVERLAP`` (tile j's softmax while tile j-1's P.V runs; with early K release the H=128
+    default past ``GLUON_OVERLAP_MIN_TOTAL`` keys): the H=128 build keeps its tile loop free of
+    local memory (QK^T's logits, P and the accumulator live at once: 168 registers at launch,
+    240 per consumer), issues both wgmma groups back to back (16 HGMMA per tile) and waits for
+    the older one first (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), where the plain loop waits for each
+    group alone."""
+    over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
+    plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False,EARLY_K_RELEASE=True")
     tile = min((c for c in over["loops"] if c.get("HGMMA", 0)), key=lambda c: sum(c.values()))
     assert tile["HGMMA"] == 16 and tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
     assert over["regs"] == 168 and over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
