@@ -187,7 +187,8 @@ INT8_SHIFT = tl.constexpr(1152.0)
 def int8_to_fp16(t, SHIFTED: tl.constexpr = False):
     """Exact int8 -> fp16 without the I2F unit: the fp16 with bits ``0x6400 | (t ^ 0x80)`` is
     ``1024 + t + 128``; one integer op (xor) and one fp16 subtract per element. ``SHIFTED``:
-    ``t + INT8_SHIFT`` (also exact), without the subtract (the decode kernels' ``K_SHIFT``)."""
+    ``t + INT8_SHIFT`` (also exact), without the subtract (GQA decode's ``K_SHIFT`` /
+    ``V_SHIFT``)."""
     u = t.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
     if SHIFTED:
         return u.to(tl.float16, bitcast=True)

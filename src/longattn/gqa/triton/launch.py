@@ -341,11 +341,11 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
     softmax with P.V (see there for the measurements; H = 64 was not measured and keeps the
-    plain build). H = 256: 64-key tiles; sequences of
-    more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
-    not hold 2); shorter ones, whose items are a few tiles long, the short-item shape: 2 Q
-    pairs, 2 K slots refilled early, 1 V slot, TMA output stores, so the next item's Q is
-    resident when an item ends (see ``GLUON_SHORT_TOTAL`` for the measurements)."""
+    plain build). H = 256: 64-key tiles; sequences of more than ``GLUON_SHORT_TOTAL`` keys (or
+    unknown): 2 + 2 slots and 1 Q pair (224 KiB would not hold 2); shorter ones, whose items
+    are a few tiles long, the short-item shape: 2 Q pairs, 2 K slots refilled early, 1 V slot,
+    TMA output stores, so the next item's Q is resident when an item ends (see
+    ``GLUON_SHORT_TOTAL`` for the measurements)."""
     bn = 64 if head > 128 else 128
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
