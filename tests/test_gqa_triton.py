@@ -1034,6 +1034,20 @@ def test_prefill_gluon_config_short_items():
         assert cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"] and cfg["OVERLAP"] == overlap
 
 
+def test_prefill_item_keys():
+    """The Gluon prefill's config buckets on the keys one 128-row item reads: the sequence
+    length, or with a window of W keys per row at most W + 127."""
+    assert launch.prefill_item_keys(32768, -1) == 32768
+    assert launch.prefill_item_keys(32768, 1024) == 1024 + 127
+    assert launch.prefill_item_keys(600, 1024) == 600
+    # a window of 2K keeps a 32K H=128 prefill out of OVERLAP and an H=256 one in the
+    # short-item shape (items of <= 2175 keys); without it both take the long-item builds
+    for window, short in ((2048, True), (-1, False)):
+        keys = launch.prefill_item_keys(32768, window)
+        assert launch.prefill_gluon_config(128, keys)["OVERLAP"] != short
+        assert (launch.prefill_gluon_config(256, keys)["V_STAGES"] == 1) == short
+
+
 _RING_CASES = {
     "h256-short": (GPU_CASES["prefill-first-bf16-h256-window-softcap"], (2, 2, 1, True, False)),
     "h256-long": (  # 8200 past + 64 new = 8264 keys

@@ -313,9 +313,20 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
 GLUON_SHORT_TOTAL = 8192
 
 
+def prefill_item_keys(total: int, window: int, rows: int = 128) -> int:
+    """The most keys one Gluon prefill work item (``rows`` query rows) reads: the sequence's
+    ``total`` keys, or with a local window of ``window`` keys per row ``window + rows - 1``.
+    ``prefill_gluon_config`` buckets on it: its short-item and overlap bounds were measured
+    (causal, no window) as properties of the items' lengths, which a window caps."""
+    if window > 0:
+        return min(total, window + rows - 1)
+    return total
+
+
 def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
-    """Tile / pipeline shape of ``prefill_gluon`` for head size ``head`` and sequences of up to
-    ``max_total`` keys (0: unknown).
+    """Tile / pipeline shape of ``prefill_gluon`` for head size ``head`` and work items that
+    read up to ``max_total`` keys (``prefill_item_keys``: the sequence length, or what a local
+    window leaves of it; 0: unknown).
 
     - BLOCK_N: keys per K / V tile; STAGES / V_STAGES: K and V ring slots of [BLOCK_N, HEAD];
       EARLY_K_RELEASE: a K slot is refilled once both consumers' QK^T read it (else with its V
@@ -402,7 +413,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     from .prefill_gluon import ROWS_PER_WG, gqa_prefill_gluon_kernel
 
     b, s, n, h = q_rot.shape
-    base = prefill_gluon_config(h, p.total_sequence_length)
+    base = prefill_gluon_config(h, prefill_item_keys(p.total_sequence_length, p.local_window_size))
     cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
