@@ -26,8 +26,7 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
   before 0 are zero-filled by TMA);
 - the causal / window / duplicate-column mask is applied only on tiles that need it;
 - output rows leave through the item's freed Q tile (``EPILOGUE_SMEM``), by 16-byte stores or
-  one TMA store per 64-row tile (``EPILOGUE_TMA``).
-
+  one TMA store per 64-row tile (``EPILOGUE_TMA``);
 - ``OVERLAP`` (H = 128 past ``launch.GLUON_OVERLAP_MIN_TOTAL`` keys, with ``EARLY_K_RELEASE``):
   FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
   (``_attend_overlapped``); session 39, H100: -1.4 to -5.5% at S = 8K / 32K, +3-4% at 2K.
@@ -35,10 +34,11 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
 Measured (same process, ``benchmarks/results/prefill_gluon_ab{1..6}_h200.json``): the dynamic
 ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept
 then (session 13, the static schedule): FA3's intra-warpgroup overlap (2-9% slower; retried as
-``OVERLAP`` in session 39, above) and inter-warpgroup ping-pong (3-13% slower), per-CTA device-side descriptors bounded by the
-sequence length (slower in 5 of 6 shapes), three consumer warpgroups with BLOCK_N 64 (-5 to
-+2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages at H = 128 (0 to -9%), Q as the register
-A operand of QK^T (8-9% slower at H = 128, and its output was wrong; not debugged). Session 37
+``OVERLAP`` in session 39, above) and inter-warpgroup ping-pong (3-13% slower), per-CTA
+device-side descriptors bounded by the sequence length (slower in 5 of 6 shapes), three
+consumer warpgroups with BLOCK_N 64 (-5 to +2%), BLOCK_N 32 at H = 256 (-16 to -19%), 3 stages
+at H = 128 (0 to -9%), Q as the register A operand of QK^T (8-9% slower at H = 128, and its
+output was wrong; not debugged). Session 37
 (H100, ``prefill_gluon_options_session37_h100.json``; the code is commit 7b041de): an item's
 first K/V tiles before the wait for its Q slot, the first warpgroup skipping the diagonal tile
 past its rows (BLOCK_N 64), ORDER 2 over windows of KV heads (a lighter tail), and Q freed after
@@ -288,6 +288,35 @@ def _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES: gl.constexpr,
 
 
 @gluon.jit
+def _release_kv(k_empty, v_empty, it, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                EARLY_K_RELEASE: gl.constexpr):  # fmt: skip
+    """Tile ``it``'s P.V is done: its V slot is free, and its K slot too unless EARLY_K_RELEASE
+    freed that after QK^T."""
+    mbarrier.arrive(v_empty.index(it % V_STAGES), count=1)
+    if not EARLY_K_RELEASE:
+        mbarrier.arrive(k_empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def _pv_tile(
+    acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD: gl.constexpr,
+    STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
+):  # fmt: skip
+    """``acc * alpha + P.V`` of tile ``it`` (issued and waited for; P [64, BLOCK_N] from
+    registers), then its slots released (``_release_kv``): acc [64, HEAD] fp32."""
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    vs = it % V_STAGES
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # registers: wgmma A operand
+    mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    _release_kv(k_empty, v_empty, it, STAGES, V_STAGES, EARLY_K_RELEASE)
+    return acc
+
+
+@gluon.jit
 def _attend(
     it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale,
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
@@ -307,26 +336,16 @@ def _attend(
             k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
             V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
-    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     for j in range(n_tiles):
-        vs = it % V_STAGES
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE)
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
         p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # registers: wgmma A operand
-        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs), count=1)
-        if not EARLY_K_RELEASE:
-            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
+        acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
+                       V_STAGES, EARLY_K_RELEASE)  # fmt: skip
         it += 1
     return acc, m_i, l_i, it
 
@@ -375,19 +394,10 @@ def _attend_overlapped(
                               HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
             p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(vs), count=1)
-            if not EARLY_K_RELEASE:
-                mbarrier.arrive(k_empty.index(prev % STAGES), count=1)
+            _release_kv(k_empty, v_empty, prev, STAGES, V_STAGES, EARLY_K_RELEASE)
         # the last tile's P.V
-        vs = it % V_STAGES
-        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(vs), count=1)
-        if not EARLY_K_RELEASE:
-            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
+        acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
+                       V_STAGES, EARLY_K_RELEASE)  # fmt: skip
         it += 1
     return acc, m_i, l_i, it
 
