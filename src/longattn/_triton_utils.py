@@ -195,16 +195,22 @@ def int8_to_fp16(t, SHIFTED: tl.constexpr = False):
     return u.to(tl.float16, bitcast=True) - INT8_SHIFT
 
 
+# the packed fp16 subtracts of ``int8_to_fp16``'s 1152 (0x6480) from $0 and $1
+_SUBTRACT_1152_PTX = """
+    mov.b32 c, 0x64806480;
+    sub.f16x2 $0, $0, c;
+    sub.f16x2 $1, $1, c;"""
+
+
 def _int8_bytes_to_fp16_asm(sel0: str, sel1: str, shifted: bool = False) -> str:
     """PTX: the four int8 of one 32-bit register ($2) -> two exact fp16 pairs: the bytes that
     byte-permute selectors ``sel0`` / ``sel1`` pick (0-3) under fp16 exponent bytes 0x64 (4),
     sign bits flipped first and the 1152 subtracted after (``int8_to_fp16``), into $0 / $1.
     ``shifted``: without the subtracts (``t + INT8_SHIFT``)."""
-    sub = "" if shifted else "\n    sub.f16x2 $0, $0, c;\n    sub.f16x2 $1, $1, c;"
+    sub = "" if shifted else _SUBTRACT_1152_PTX
     return f"""{{
     .reg .b32 u, c;
     xor.b32 u, $2, 0x80808080;
-    mov.b32 c, 0x64806480;
     prmt.b32 $0, u, 0x64646464, {sel0};
     prmt.b32 $1, u, 0x64646464, {sel1};{sub}
 }}"""
@@ -223,13 +229,8 @@ def int8x4_to_fp16(t, SHIFTED: tl.constexpr = False):
     ``int8_to_fp16`` (same values)."""
     if _INTERPRET:
         return int8_to_fp16(t, SHIFTED)
-    if SHIFTED:
-        return tl.inline_asm_elementwise(
-            asm=_INT8X4_TO_FP16_SHIFTED_ASM, constraints="=r,=r,r", args=[t], dtype=tl.float16,
-            is_pure=True, pack=4,
-        )  # fmt: skip
     return tl.inline_asm_elementwise(
-        asm=_INT8X4_TO_FP16_ASM,
+        asm=_INT8X4_TO_FP16_SHIFTED_ASM if SHIFTED else _INT8X4_TO_FP16_ASM,
         constraints="=r,=r,r",
         args=[t],
         dtype=tl.float16,
@@ -277,9 +278,8 @@ def int8_pairs_to_fp16(w, SHIFTED: tl.constexpr = False):
         lo = (w & 0xFF).to(tl.uint8)
         hi = ((w >> 8) & 0xFF).to(tl.uint8)
         return int8_to_fp16(lo, SHIFTED), int8_to_fp16(hi, SHIFTED)
-    if SHIFTED:
-        return _fp16_pairs_asm(w, _INT8_PAIRS_TO_FP16_SHIFTED_ASM, "=r,=r,r")
-    return _fp16_pairs_asm(w, _INT8_PAIRS_TO_FP16_ASM, "=r,=r,r")
+    asm: tl.constexpr = _INT8_PAIRS_TO_FP16_SHIFTED_ASM if SHIFTED else _INT8_PAIRS_TO_FP16_ASM
+    return _fp16_pairs_asm(w, asm, "=r,=r,r")
 
 
 @triton.jit
