@@ -305,12 +305,22 @@ def prefill_gluon_fits(p: GQAParams, q_rot, present_key, present_value, out, q_s
     )
 
 
-# Up to this many keys per sequence (``total_sequence_length``), H > 128 prefill takes the short-
+# Up to this many keys per work item (``prefill_item_keys``), H > 128 prefill takes the short-
 # item ring shape (``prefill_gluon_config``). H100, same process, two runs (5 and 9 interleaved
 # rounds, ``benchmarks/results/prefill_gluon_rings{,_run2}_session38_h100.json``), causal bf16
 # (32, 8), B*S = 16K, H=256: S=2K 1144.5 / 1142.5 -> 1100.1 / 1101.5 us (-3.9 / -3.6%), S=8K
 # -1.1 / -0.3%, S=32K +1.3 / +2.5% (long items: the single V slot stalls).
 GLUON_SHORT_TOTAL = 8192
+
+# H=128: work items that read more than this many keys (``prefill_item_keys``; or unknown)
+# take OVERLAP. H100, same process, three runs of 5 / 7 / 15 interleaved rounds
+# (benchmarks/results/prefill_gluon_overlap{,_run2,_run3}_session39_h100.json), us, session-38
+# build -> early K release -> early K release + OVERLAP: S=2K 575.5 / 576.3 / 574.8 -> 572.0 / 572.3 -> 590.0 /
+# 594.1 / 593.0 (OVERLAP +3-4%: short items pay its unoverlapped first and last tiles); S=8K
+# 1976.0 / 1994.6 / 1997.8 -> 1931.5 / 1950.9 -> 1899.5 / 1903.7 / 1922.0 (-3.8 to -4.6%); S=32K
+# 14978.3 / 15371.4 / 14975.2 -> 15148.0 / 14780.2 -> 14546.5 / 14531.7 / 14761.5 (-1.4 to
+# -5.5%). 4K was not timed: the bound sits between the losing 2K and the winning 8K.
+GLUON_OVERLAP_MIN_TOTAL = 4096
 
 
 def prefill_item_keys(total: int, window: int, rows: int = 128) -> int:
@@ -368,16 +378,6 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
         cfg.update(EARLY_K_RELEASE=True, OVERLAP=not 0 < max_total <= GLUON_OVERLAP_MIN_TOTAL)
     return cfg
 
-
-# H=128: sequences of more than this many keys (or unknown) take OVERLAP. H100, same process,
-# three runs of 5 / 7 / 15 interleaved rounds (benchmarks/results/
-# prefill_gluon_overlap{,_run2,_run3}_session39_h100.json), us, session-38 build -> early K
-# release -> early K release + OVERLAP: S=2K 575.5 / 576.3 / 574.8 -> 572.0 / 572.3 -> 590.0 /
-# 594.1 / 593.0 (OVERLAP +3-4%: short items pay its unoverlapped first and last tiles); S=8K
-# 1976.0 / 1994.6 / 1997.8 -> 1931.5 / 1950.9 -> 1899.5 / 1903.7 / 1922.0 (-3.8 to -4.6%); S=32K
-# 14978.3 / 15371.4 / 14975.2 -> 15148.0 / 14780.2 -> 14546.5 / 14531.7 / 14761.5 (-1.4 to
-# -5.5%). 4K was not timed: the bound sits between the losing 2K and the winning 8K.
-GLUON_OVERLAP_MIN_TOTAL = 4096
 
 GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
 
