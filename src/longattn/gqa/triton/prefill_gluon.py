@@ -14,7 +14,7 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
   shared memory (``_publish`` / ``_take``). Items go in ``_item_head``'s ORDER 2: a KV head's
   row blocks heaviest first, with its GROUP query heads interleaved, so CTAs that run together
   share one KV head's K/V in L2 and the last items are light. With ``Q_SLOTS = 2`` (H <= 128,
-  and H = 256 for sequences of <= ``launch.GLUON_SHORT_TOTAL`` keys) the producer loads item
+  and H = 256 for items of <= ``launch.GLUON_SHORT_TOTAL`` keys) the producer loads item
   k+1's Q and K/V while the consumers work on item k, so the K/V ring never drains between
   items (the static schedule CTA c: c, c + G, ... and one CTA per item remain as flags);
 - K and V have separate rings (``STAGES`` / ``V_STAGES`` slots, each with ready / empty
