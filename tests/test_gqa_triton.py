@@ -1061,6 +1061,20 @@ _RING_CASES = {
         ),
         (2, 2, 2, False, True),
     ),
+    "h128-window": (  # 8512 keys, but a 1000-key window: items read <= 1127 (prefill_item_keys)
+        Case(
+            b=1,
+            s=256,
+            lens=(8256,),
+            n=8,
+            kv=2,
+            h=128,
+            act=torch.bfloat16,
+            first_prompt=False,
+            window=1000,
+        ),
+        (2, 2, 2, False, False),
+    ),
 }
 
 
@@ -1070,7 +1084,8 @@ def test_prefill_gluon_default_ring_shape_gpu(name, device, monkeypatch):
     """The Gluon prefill's default build by sequence length (``prefill_gluon_config``): H=256 up
     to GLUON_SHORT_TOTAL keys takes the short-item shape (2 Q pairs, 1 V slot, TMA stores),
     longer H=256 and H=128 the two-slot rings, H=128 past GLUON_OVERLAP_MIN_TOTAL keys the
-    overlapped softmax; each against fp64."""
+    overlapped softmax, all by the keys one item reads (a window caps them); each against
+    fp64."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the Gluon prefill is built for sm_90")
     case, want = _RING_CASES[name]
