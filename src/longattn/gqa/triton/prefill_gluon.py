@@ -358,13 +358,8 @@ def _attend_overlapped(
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """``_attend`` with tile j's QK^T issued before tile j-1's P.V, and tile j's logits and
-    softmax computed while that P.V runs (wgmma groups complete in order: the wait for one
-    outstanding group is the QK^T's). Tile j-1's weights ``p`` and rescale ``alpha`` are
-    carried into step j; the last tile's P.V follows the loop."""
+    softmax computed while that P.V runs (``_overlap_tiles``); the last tile's P.V follows."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
-    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     if n_tiles > 0:
         # tile 0: QK^T and softmax (its P.V is issued with tile 1's QK^T)
@@ -373,28 +368,10 @@ def _attend_overlapped(
                           r_hi, window, qk_scale, softcap_mult, n_tiles == 1, s_layout, BLOCK_N,
                           HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
-        for j in range(1, n_tiles):
-            prev = it  # tile j-1's ring counter
-            it += 1
-            ks = it % STAGES
-            vs = prev % V_STAGES
-            start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-            p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # tile j-1's weights
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-            mbarrier.wait(v_ready.index(vs), (prev // V_STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk,))  # QK^T(j) done; P.V(j-1) may still run
-            if EARLY_K_RELEASE:
-                mbarrier.arrive(k_empty.index(ks), count=1)
-            s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window,
-                              qk_scale, softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N,
-                              HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-            p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _release_kv(k_empty, v_empty, prev, STAGES, V_STAGES, EARLY_K_RELEASE)
+        acc, p, alpha, m_i, l_i, it = _overlap_tiles(
+            acc, p, alpha, m_i, l_i, s_zero, it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles,
+            window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+            HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         # the last tile's P.V
         acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
                        V_STAGES, EARLY_K_RELEASE)  # fmt: skip
@@ -403,9 +380,109 @@ def _attend_overlapped(
 
 
 @gluon.jit
+def _overlap_tiles(
+    acc, p, alpha, m_i, l_i, s_zero, it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window,
+    qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+    HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+):  # fmt: skip
+    """Tiles 1 .. n_tiles - 1 of an item whose tile 0 (ring tile ``it``) is softmaxed (weights
+    ``p``, rescale ``alpha``) but not yet multiplied by V: each step issues tile j's QK^T and
+    tile j-1's P.V back to back, waits for the QK^T only (wgmma groups complete in order), and
+    computes tile j's logits and softmax while that P.V runs. Returns the state with the last
+    tile's P.V pending: (acc, p, alpha, m, l, it) with ``it`` that tile's ring counter."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    for j in range(1, n_tiles):
+        prev = it  # tile j-1's ring counter
+        it += 1
+        ks = it % STAGES
+        vs = prev % V_STAGES
+        start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
+        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # tile j-1's weights
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        mbarrier.wait(v_ready.index(vs), (prev // V_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk,))  # QK^T(j) done; P.V(j-1) may still run
+        if EARLY_K_RELEASE:
+            mbarrier.arrive(k_empty.index(ks), count=1)
+        s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window,
+                          qk_scale, softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N,
+                          HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _release_kv(k_empty, v_empty, prev, STAGES, V_STAGES, EARLY_K_RELEASE)
+    return acc, p, alpha, m_i, l_i, it
+
+
+@gluon.jit
 def _q_as_output(q_tile, dtype: gl.constexpr):
     """A consumer's freed [64, HEAD] Q tile viewed as an output tile of ``dtype`` (same width)."""
     return q_tile._reinterpret(dtype, [ROWS_PER_WG, q_tile.shape[1]], q_tile.layout)
+
+
+@gluon.jit
+def _epilogue(
+    acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob, stride_os,
+    seq_len, q_smem, q_empty, WG: gl.constexpr, HEAD: gl.constexpr, HAS_SINK: gl.constexpr,
+    SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
+):  # fmt: skip
+    """A warpgroup's 64 finished rows (acc [64, HEAD] fp32, m / l [64] in the logits' row
+    layout) of head n, rows [r0, r0 + 64) of sequence b: sink, normalization, padding rows
+    (>= rows_valid) zeroed, stored to ``o_ptr``; the item's Q tile (Q slot ``qs``) is released
+    (EPILOGUE_SMEM: after the rows passed through it, see ``_consumer``)."""
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if not EPILOGUE_SMEM:
+        mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
+    m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
+    l_i = gl.convert_layout(l_i, row_o)
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
+        else:
+            sink2 = 0.0
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
+    acc = normalize(acc, l_i)
+    rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
+    acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
+    o_tile = acc.to(o_ptr.dtype.element_ty)
+    if EPILOGUE_TMA:  # through the free Q tile, one bulk copy to global memory
+        o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
+        o_smem.store(o_tile)
+        fence_async_shared()  # the generic-proxy stores before the copy engine reads
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [b, r0, n * HEAD],
+                                        o_smem.reshape(o_desc.block_type.shape))  # fmt: skip
+        tma.store_wait(0)  # the tile was read: the producer may refill it
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(qs), count=1)
+    else:
+        if EPILOGUE_SMEM:  # through the free Q tile: 16-byte row-contiguous global stores
+            st_layout: gl.constexpr = _row_store_layout(HEAD)
+            o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
+            o_smem.store(o_tile)
+            gl.thread_barrier()
+            o_tile = o_smem.load(st_layout)  # [64, HEAD]
+            gl.thread_barrier()  # every lane read the tile before the producer may refill it
+            mbarrier.arrive(q_empty.index(qs), count=1)
+            rows = r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, st_layout))
+            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, st_layout))
+        else:
+            cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (
+            o_ptr
+            + b.to(gl.int64) * stride_ob
+            + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
+            + n * HEAD
+            + gl.expand_dims(cols, 0)
+        )
+        gl.store(o_ptrs, o_tile, mask=gl.expand_dims(rows < seq_len, 1))
 
 
 @gluon.jit
@@ -426,9 +503,7 @@ def _consumer(
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
     stores; the Q tile is released once the copy engine has read it."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
-    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     it = 0
     item = 0
     b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
@@ -443,51 +518,9 @@ def _consumer(
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW,
             HAS_SOFTCAP, OVERLAP)  # fmt: skip
-        if not EPILOGUE_SMEM:
-            mbarrier.arrive(q_empty.index(qs), count=1)  # this warpgroup's Q tile is free
-        m_i = gl.convert_layout(m_i, row_o)  # the accumulator's rows
-        l_i = gl.convert_layout(l_i, row_o)
-        if HAS_SINK:
-            if SINK_FROM_PTR:
-                sink2 = gl.load(sink_ptr + n).to(gl.float32) * LOG2E
-            else:
-                sink2 = 0.0
-            acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
-        acc = normalize(acc, l_i)
-        rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
-        acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
-        o_tile = acc.to(o_ptr.dtype.element_ty)
-        if EPILOGUE_TMA:  # through the free Q tile, one bulk copy to global memory
-            o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
-            o_smem.store(o_tile)
-            fence_async_shared()  # the generic-proxy stores before the copy engine reads
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [b, r0, n * HEAD],
-                                            o_smem.reshape(o_desc.block_type.shape))  # fmt: skip
-            tma.store_wait(0)  # the tile was read: the producer may refill it
-            gl.thread_barrier()
-            mbarrier.arrive(q_empty.index(qs), count=1)
-        else:
-            if EPILOGUE_SMEM:  # through the free Q tile: 16-byte row-contiguous global stores
-                st_layout: gl.constexpr = _row_store_layout(HEAD)
-                o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
-                o_smem.store(o_tile)
-                gl.thread_barrier()
-                o_tile = o_smem.load(st_layout)  # [64, HEAD]
-                gl.thread_barrier()  # every lane read the tile before the producer may refill it
-                mbarrier.arrive(q_empty.index(qs), count=1)
-                rows = r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, st_layout))
-                cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, st_layout))
-            else:
-                cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = (
-                o_ptr
-                + b.to(gl.int64) * stride_ob
-                + gl.expand_dims(rows.to(gl.int64) * stride_os, 1)
-                + n * HEAD
-                + gl.expand_dims(cols, 0)
-            )
-            gl.store(o_ptrs, o_tile, mask=gl.expand_dims(rows < seq_len, 1))
+        _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
+                  stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
+                  EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
         item += 1
         b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
 
