@@ -938,6 +938,9 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "long_items",
         "overlap",
         "overlap_early_k",
+        "cross_item",
+        "cross_item_late_k",
+        "cross_item_tma",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -962,7 +965,12 @@ def test_prefill_gluon_gpu(name, variant, device):
                                 EPILOGUE_TMA=False),
                 # softmax of tile j while P.V of tile j-1 runs (an option, session 39)
                 overlap=dict(OVERLAP=True),
-                overlap_early_k=dict(OVERLAP=True, EARLY_K_RELEASE=True))[variant]  # fmt: skip
+                overlap_early_k=dict(OVERLAP=True, EARLY_K_RELEASE=True),
+                # ... carried across items (an option, session 40)
+                cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True),
+                cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=True),
+                cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
+                                    EPILOGUE_TMA=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

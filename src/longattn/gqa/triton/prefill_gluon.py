@@ -432,10 +432,23 @@ def _epilogue(
     seq_len, q_smem, q_empty, WG: gl.constexpr, HEAD: gl.constexpr, HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
 ):  # fmt: skip
-    """A warpgroup's 64 finished rows (acc [64, HEAD] fp32, m / l [64] in the logits' row
-    layout) of head n, rows [r0, r0 + 64) of sequence b: sink, normalization, padding rows
-    (>= rows_valid) zeroed, stored to ``o_ptr``; the item's Q tile (Q slot ``qs``) is released
-    (EPILOGUE_SMEM: after the rows passed through it, see ``_consumer``)."""
+    """A warpgroup's 64 finished rows of head n, rows [r0, r0 + 64) of sequence b
+    (``_finish_rows``) stored to ``o_ptr`` (``_store_rows``)."""
+    o_tile = _finish_rows(acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty, HEAD,
+                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)  # fmt: skip
+    _store_rows(o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem,
+                q_empty, WG, HEAD, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+
+
+@gluon.jit
+def _finish_rows(
+    acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty, HEAD: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
+):  # fmt: skip
+    """The output tile [64, HEAD] in o_ptr's dtype from a warpgroup's finished online softmax
+    (acc [64, HEAD] fp32, m / l [64] in the logits' row layout): the sink, normalization,
+    padding rows (>= rows_valid) zeroed. Without EPILOGUE_SMEM the item's Q tile (Q slot
+    ``qs``) is released here (else after the rows passed through it, ``_store_rows``)."""
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     if not EPILOGUE_SMEM:
@@ -451,7 +464,22 @@ def _epilogue(
     acc = normalize(acc, l_i)
     rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
     acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
-    o_tile = acc.to(o_ptr.dtype.element_ty)
+    return acc.to(o_ptr.dtype.element_ty)
+
+
+@gluon.jit
+def _store_rows(
+    o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem, q_empty,
+    WG: gl.constexpr, HEAD: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr,
+):  # fmt: skip
+    """``_finish_rows``' tile [64, HEAD] (accumulator layout) to rows [r0, r0 + 64) of head n
+    of sequence b in ``o_ptr`` (rows past seq_len left out): through the item's Q tile (Q slot
+    ``qs``, released after) as 16-byte row-contiguous stores (EPILOGUE_SMEM) or one TMA store
+    (EPILOGUE_TMA), else by the accumulator layout's 4-byte stores."""
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
     if EPILOGUE_TMA:  # through the free Q tile, one bulk copy to global memory
         o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
         o_smem.store(o_tile)
@@ -494,6 +522,7 @@ def _consumer(
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
     EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
+    CROSS_ITEM: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
@@ -501,7 +530,34 @@ def _consumer(
     (released after) to leave as 16-byte row-contiguous stores instead of the accumulator
     layout's 4-byte ones; EPILOGUE_TMA (with EPILOGUE_SMEM): one TMA bulk store of the tile
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
-    stores; the Q tile is released once the copy engine has read it."""
+    stores; the Q tile is released once the copy engine has read it. CROSS_ITEM: the
+    overlapped loop carried across items (``_consumer_crossed``)."""
+    if CROSS_ITEM:
+        _consumer_crossed(
+            WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+            softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+            v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+    else:
+        _consumer_items(
+            WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+            softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+            v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA,
+            OVERLAP)  # fmt: skip
+
+
+@gluon.jit
+def _consumer_items(
+    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+    v_empty, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
+):  # fmt: skip
+    """``_consumer``, one item after another: its tiles (``_attend``), then its epilogue."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     it = 0
@@ -523,6 +579,102 @@ def _consumer(
                   EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
         item += 1
         b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
+
+
+@gluon.jit
+def _consumer_crossed(
+    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+    v_empty, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr,
+):  # fmt: skip
+    """``_consumer`` with the overlapped loop (``_overlap_tiles``) carried across items: at an
+    item's end its last P.V and the next item's first QK^T are issued back to back, the item's
+    epilogue runs while that QK^T is on the tensor cores, and the next item starts from its
+    first tile's logits. Needs Q_SLOTS = 2 (the next item's Q is resident before this item's
+    epilogue frees its own slot; with one slot the consumers would wait on themselves)."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    it = 0  # ring counter of the current item's first tile
+    item = 0
+    acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
+    b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
+    offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
+        total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+    # [64, BLOCK_N] the current item's first QK^T (issued without a tile too, see below)
+    has_next = (b >= 0) & (n_tiles > 0)
+    if has_next:
+        mbarrier.wait(k_ready.index(0), 0)
+    qk = warpgroup_mma(q_smem.index(WG), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)  # fmt: skip
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    if EARLY_K_RELEASE:
+        if has_next:
+            mbarrier.arrive(k_empty.index(0), count=1)
+    while b >= 0:
+        r0 = m0 + WG * ROWS_PER_WG
+        r_lo = offset + r0
+        qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+        qs = item % Q_SLOTS
+        acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
+        p = s_zero
+        alpha = l_i
+        if n_tiles > 0:
+            s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos,
+                              r_lo, r_lo + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
+                              n_tiles == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+            acc, p, alpha, m_i, l_i, it = _overlap_tiles(
+                acc, p, alpha, m_i, l_i, s_zero, it, q_smem.index(2 * qs + WG), qpos, r_lo,
+                r_lo + ROWS_PER_WG - 1, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
+                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
+                V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        # the next item (its Q slot is the other one: resident or on its way)
+        item += 1
+        b2, n2, m02, total2 = _take(info, q_bar, item, Q_SLOTS, 4)
+        offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2 = _item_keys(
+            total2, m02, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+        has_next = (b2 >= 0) & (n_tiles2 > 0)
+        has_pv = n_tiles > 0
+        # this item's last P.V, then the next item's first QK^T, issued unconditionally: ptxas
+        # serializes every wgmma of the kernel when one is issued and waited for in different
+        # branches. Without a tile the P.V reads whatever V slot (P = 0, acc * alpha = 0;
+        # zeroed after, in case the slot holds NaN), and without a next item the QK^T reads
+        # whatever K slot (discarded); only their ready waits are skipped.
+        vs = it % V_STAGES
+        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if has_pv:
+            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+            it += 1  # the next item's first tile
+        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if has_pv:
+            _release_kv(k_empty, v_empty, it - 1, STAGES, V_STAGES, EARLY_K_RELEASE)
+        else:
+            acc = gl.zeros_like(acc)
+        o_tile = _finish_rows(acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty,
+                              HEAD, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)  # fmt: skip
+        ks = it % STAGES
+        if has_next:
+            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_smem.index(2 * (item % Q_SLOTS) + WG),
+                           k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        _store_rows(o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem,
+                    q_empty, WG, HEAD, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        if EARLY_K_RELEASE:
+            if has_next:
+                mbarrier.arrive(k_empty.index(ks), count=1)
+        b, n, m0, total_len = b2, n2, m02, total2
+        offset, rows_valid, kv_lo, kv_hi, n_tiles = offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2
 
 
 @gluon.jit
@@ -562,6 +714,7 @@ def gqa_prefill_gluon_kernel(
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
+    CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (see _consumer_crossed)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -593,12 +746,14 @@ def gqa_prefill_gluon_kernel(
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP)),
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
+                         CROSS_ITEM)),
             (_consumer, (1, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
-                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP)),
+                         HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
+                         CROSS_ITEM)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
