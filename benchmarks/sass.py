@@ -40,7 +40,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _NVDISASM = os.path.join(_BIN, "nvdisasm")
-_INS = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
+_INS = re.compile(r"/\*([0-9a-f]{4,6})\*/\s+(.*?);")
 _OP = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -267,6 +267,8 @@ def main(argv=None):
                     hgmma_rs=len(re.findall(r"HGMMA\S* R\d+, R\d+, gdesc", res["sass"])),
                     # waits that leave one wgmma group in flight (an overlapped schedule)
                     hgmma_wait1=len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", res["sass"])),
+                    # all waits: one per HGMMA where ptxas serialized the wgmmas (C7512)
+                    hgmma_waits=len(re.findall(r"WARPGROUP\.DEPBAR", res["sass"])),
                     clock_reads=len(re.findall(r"SR_CLOCKLO", res["sass"])),
                 )
             )

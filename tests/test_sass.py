@@ -142,6 +142,15 @@ def test_prefill_gluon_short_item_shape_compiles():
     assert all(c.get("LDL", 0) + c.get("STL", 0) <= 8 for c in tile_loops), tile_loops
 
 
+def _h128_tile_loop(res: dict) -> dict:
+    """The smallest loop of an H=128 Gluon prefill build holding one tile's two wgmma groups
+    (QK^T 8 + P.V 8 HGMMA) and its softmax (64 exp2 per thread); loops that close over more
+    code (the item loop, a wait loop's branch back) hold more of either."""
+    tiles = [c for c in res["loops"] if c.get("HGMMA") == 16 and 64 <= c.get("MUFU", 0) < 128]
+    assert tiles, res["loops"]
+    return min(tiles, key=lambda c: sum(c.values()))
+
+
 def test_prefill_gluon_overlap_keeps_the_h128_tile_loop_in_registers():
     """``OVERLAP`` (tile j's softmax while tile j-1's P.V runs; with early K release the H=128
     default past ``GLUON_OVERLAP_MIN_TOTAL`` keys): the H=128 build keeps its tile loop free of
@@ -151,9 +160,26 @@ def test_prefill_gluon_overlap_keeps_the_h128_tile_loop_in_registers():
     group alone."""
     over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
     plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False,EARLY_K_RELEASE=True")
-    tile = min((c for c in over["loops"] if c.get("HGMMA", 0)), key=lambda c: sum(c.values()))
-    assert tile["HGMMA"] == 16 and tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
+    tile = _h128_tile_loop(over)
+    assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
     assert over["regs"] == 168 and over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
+
+
+def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
+    """``CROSS_ITEM`` (the overlapped loop carried across items): the next item's first QK^T is
+    issued before this item's output stores and waited for after them. ptxas serializes every
+    wgmma of the kernel (one wait per HGMMA, C7512) when it runs short of registers around such
+    a group, as the first versions did (the QK^T issued before the rows were normalized, or
+    issued and waited for in different branches); this build keeps one wait per group (five
+    groups per consumer, two consumers), the overlapped waits and a tile loop without local
+    memory or extra instructions (the H=128 overlapped loop: 857)."""
+    cross = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True,CROSS_ITEM=True")
+    over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
+    assert cross["hist"]["HGMMA"] == 80 and cross["hgmma_waits"] <= 10, cross["hist"]
+    assert cross["hgmma_wait1"] > 0 and over["hgmma_waits"] <= 8, (cross, over)
+    tile, over_tile = _h128_tile_loop(cross), _h128_tile_loop(over)
+    assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
+    assert sum(tile.values()) <= sum(over_tile.values()), (tile, over_tile)
 
 
 def test_wgmma_probe_compiles_all_three_operand_paths():

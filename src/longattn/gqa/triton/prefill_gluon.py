@@ -641,7 +641,7 @@ def _consumer_crossed(
         offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2 = _item_keys(
             total2, m02, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
         has_next = (b2 >= 0) & (n_tiles2 > 0)
-        has_pv = n_tiles > 0
+        has_pv = kv_hi > kv_lo  # n_tiles > 0 (not reused: its predicate would stay live)
         # this item's last P.V, then the next item's first QK^T, issued unconditionally: ptxas
         # serializes every wgmma of the kernel when one is issued and waited for in different
         # branches. Without a tile the P.V reads whatever V slot (P = 0, acc * alpha = 0;
