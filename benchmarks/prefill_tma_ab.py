@@ -64,9 +64,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ("gluon_overlap", _gl(OVERLAP=True, EARLY_K_RELEASE=False)),
         ("gluon_plain", _gl(OVERLAP=False, EARLY_K_RELEASE=False)),  # H=128 before session 39
         ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True)),
-        # ... carried across items: the next item's first QK^T during this item's output
-        # stores (session 40; at H=256 it spills as OVERLAP does)
-        ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True)),
+        # ... carried across items (session 40): the next item's first softmax during this
+        # item's last P.V (cross), or its first QK^T during this item's stores (cross_stores)
+        ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2)),
+        ("gluon_cross_stores", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=1)),
     ]
     return out
 

@@ -941,6 +941,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "cross_item",
         "cross_item_late_k",
         "cross_item_tma",
+        "cross_item_stores",
+        "cross_item_stores_late_k",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -967,10 +969,12 @@ def test_prefill_gluon_gpu(name, variant, device):
                 overlap=dict(OVERLAP=True),
                 overlap_early_k=dict(OVERLAP=True, EARLY_K_RELEASE=True),
                 # ... carried across items (an option, session 40)
-                cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True),
-                cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=True),
-                cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
-                                    EPILOGUE_TMA=True))[variant]  # fmt: skip
+                cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2),
+                cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=2),
+                cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2,
+                                    EPILOGUE_TMA=True),
+                cross_item_stores=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=1),
+                cross_item_stores_late_k=dict(OVERLAP=True, CROSS_ITEM=1))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -358,9 +358,10 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     - OVERLAP: FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
       (``prefill_gluon._attend_overlapped``; sm_90 SASS: no spills in the H=128 tile loop,
       23-26 local loads per tile at H=256, where it ran 3-30% slower).
-    - CROSS_ITEM (with OVERLAP and 2 Q pairs, else off): the overlapped loop carried across
-      items, the next item's first QK^T issued before this item's output stores
-      (``prefill_gluon._consumer_crossed``; an option, untimed).
+    - CROSS_ITEM (with OVERLAP and 2 Q pairs, else 0): the overlapped loop carried across
+      items; 2: the next item's first softmax during this item's last P.V
+      (``prefill_gluon._consumer_crossed``), 1: the next item's first QK^T during this item's
+      output stores (``_consumer_crossed_stores``). Options, untimed.
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
@@ -374,7 +375,7 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
                PERSISTENT=True, DYNAMIC=True, ORDER=2,
-               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=False)  # fmt: skip
+               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=0)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
     if head == 128:
@@ -419,7 +420,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     base = prefill_gluon_config(h, prefill_item_keys(p.total_sequence_length, p.local_window_size))
     cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
     # the crossed loop takes the next item's Q before this item's epilogue frees its own slot
-    cfg["CROSS_ITEM"] = cfg["CROSS_ITEM"] and cfg["OVERLAP"] and cfg["Q_SLOTS"] == 2
+    cfg["CROSS_ITEM"] = int(cfg["CROSS_ITEM"]) if cfg["OVERLAP"] and cfg["Q_SLOTS"] == 2 else 0
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)

@@ -395,6 +395,7 @@ def _overlap_tiles(
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_dtype: gl.constexpr = p.dtype  # fp32, or the dot dtype (rounded where it was computed)
     for j in range(1, n_tiles):
         prev = it  # tile j-1's ring counter
         it += 1
@@ -416,6 +417,9 @@ def _overlap_tiles(
                           HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
         acc = warpgroup_mma_wait(0, deps=(acc,))
+        # a 16-bit P is rounded once the P.V is done: ptxas serializes the wgmmas (C7513) where
+        # a later wgmma's register operand is written while one is in flight
+        p = p.to(p_dtype)
         _release_kv(k_empty, v_empty, prev, STAGES, V_STAGES, EARLY_K_RELEASE)
     return acc, p, alpha, m_i, l_i, it
 
@@ -530,9 +534,18 @@ def _consumer(
     (released after) to leave as 16-byte row-contiguous stores instead of the accumulator
     layout's 4-byte ones; EPILOGUE_TMA (with EPILOGUE_SMEM): one TMA bulk store of the tile
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
-    stores; the Q tile is released once the copy engine has read it. CROSS_ITEM: the
-    overlapped loop carried across items (``_consumer_crossed``)."""
-    if CROSS_ITEM:
+    stores; the Q tile is released once the copy engine has read it. CROSS_ITEM (with OVERLAP
+    and 2 Q slots): the overlapped loop carried across items, the next item's first QK^T
+    issued before this item's epilogue; 2: the next item's first softmax runs during this
+    item's last P.V (``_consumer_crossed``), 1: the next QK^T runs during this item's output
+    stores (``_consumer_crossed_stores``)."""
+    if CROSS_ITEM == 1:
+        _consumer_crossed_stores(
+            WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+            softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+            v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+    elif CROSS_ITEM:
         _consumer_crossed(
             WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
             softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
@@ -591,11 +604,122 @@ def _consumer_crossed(
     HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
     EPILOGUE_TMA: gl.constexpr,
 ):  # fmt: skip
-    """``_consumer`` with the overlapped loop (``_overlap_tiles``) carried across items: at an
-    item's end its last P.V and the next item's first QK^T are issued back to back, the item's
-    epilogue runs while that QK^T is on the tensor cores, and the next item starts from its
-    first tile's logits. Needs Q_SLOTS = 2 (the next item's Q is resident before this item's
-    epilogue frees its own slot; with one slot the consumers would wait on themselves)."""
+    """``_consumer`` with the overlapped loop (``_overlap_tiles``) carried across items
+    (CROSS_ITEM = 2): at an item's end the next item's first QK^T and this item's last P.V are
+    issued back to back (as ``_overlap_tiles`` does within an item), the next item's first
+    logits and softmax run while that P.V is on the tensor cores, then this item's epilogue;
+    the next item enters ``_overlap_tiles`` with its first tile's weights (16-bit, rounded
+    after the P.V: see there) pending. Both wgmmas are issued even without a tile to read
+    (an item without keys, or no next item): ptxas serializes every wgmma of the kernel when
+    one is issued and waited for in different branches. Then the P.V reads whatever V slot
+    (its result is replaced by zeros) and the QK^T whatever K slot (its softmax is discarded);
+    only the ready waits and slot releases are skipped. Needs Q_SLOTS = 2 (the next item's Q
+    is read before this item's epilogue frees its own slot)."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    it = 0  # ring counter of the current item's first tile
+    item = 0
+    acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
+    b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
+    offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
+        total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+    has_next = (b >= 0) & (n_tiles > 0)
+    if has_next:
+        mbarrier.wait(k_ready.index(0), 0)
+    qk = warpgroup_mma(q_smem.index(WG), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)  # fmt: skip
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    if EARLY_K_RELEASE:
+        if has_next:
+            mbarrier.arrive(k_empty.index(0), count=1)
+    p = s_zero.to(dtype)
+    alpha = l_i
+    if has_next:
+        r_lo = offset + m0 + WG * ROWS_PER_WG
+        qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+        s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos,
+                          r_lo, r_lo + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
+                          n_tiles == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        p = p.to(dtype)
+    while b >= 0:
+        r0 = m0 + WG * ROWS_PER_WG
+        r_lo = offset + r0
+        qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+        qs = item % Q_SLOTS
+        acc = gl.zeros_like(acc)
+        if n_tiles > 0:
+            acc, p, alpha, m_i, l_i, it = _overlap_tiles(
+                acc, p, alpha, m_i, l_i, s_zero, it, q_smem.index(2 * qs + WG), qpos, r_lo,
+                r_lo + ROWS_PER_WG - 1, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
+                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
+                V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            p = p.to(dtype)
+        item += 1
+        b2, n2, m02, total2 = _take(info, q_bar, item, Q_SLOTS, 4)
+        offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2 = _item_keys(
+            total2, m02, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+        has_next = (b2 >= 0) & (n_tiles2 > 0)
+        has_pv = kv_hi > kv_lo  # n_tiles > 0 (not reused: its predicate would stay live)
+        nxt = it + has_pv.to(gl.int32)
+        vs = it % V_STAGES
+        p_op = gl.convert_layout(p, p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        ks = nxt % STAGES
+        if has_next:
+            mbarrier.wait(k_ready.index(ks), (nxt // STAGES) & 1)
+        qk = warpgroup_mma(q_smem.index(2 * (item % Q_SLOTS) + WG),
+                           k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)  # fmt: skip
+        if has_pv:
+            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk,))
+        if EARLY_K_RELEASE:
+            if has_next:
+                mbarrier.arrive(k_empty.index(ks), count=1)
+        # the next item's first softmax (computed without a next item too, then discarded)
+        r_lo2 = offset2 + m02 + WG * ROWS_PER_WG
+        qpos2 = r_lo2 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
+        s, unit = _logits(qk, _tile_start(0, kv_lo2, kv_hi2, n_tiles2, BLOCK_N), kv_lo2, qpos2,
+                          r_lo2, r_lo2 + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
+                          n_tiles2 == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+        p2, alpha2, m2, l2 = _softmax_step(s, unit, gl.full_like(m_i, float("-inf")),
+                                           gl.zeros_like(l_i))  # fmt: skip
+        m2 = gl.where(has_next, m2, float("-inf"))
+        l2 = gl.where(has_next, l2, 0.0)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        p2 = gl.where(has_next, p2, 0.0).to(dtype)
+        if has_pv:
+            _release_kv(k_empty, v_empty, it, STAGES, V_STAGES, EARLY_K_RELEASE)
+        else:
+            acc = gl.zeros_like(acc)
+        it = nxt
+        _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
+                  stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
+                  EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+        p, alpha, m_i, l_i = p2, alpha2, m2, l2
+        b, n, m0, total_len = b2, n2, m02, total2
+        offset, rows_valid, kv_lo, kv_hi, n_tiles = offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2
+
+
+@gluon.jit
+def _consumer_crossed_stores(
+    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
+    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
+    v_empty, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
+    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr,
+):  # fmt: skip
+    """``_consumer_crossed`` (CROSS_ITEM = 1): at an item's end its last P.V is waited for and
+    its rows normalized, then the next item's first QK^T is issued and runs during this item's
+    output stores; the next item starts from that tile's logits."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -714,7 +838,7 @@ def gqa_prefill_gluon_kernel(
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
-    CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (see _consumer_crossed)
+    CROSS_ITEM: gl.constexpr = 0,  # OVERLAP carried across items (1, 2: see _consumer)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
