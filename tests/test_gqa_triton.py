@@ -1044,6 +1044,7 @@ def test_prefill_gluon_config_short_items():
         cfg = launch.prefill_gluon_config(128, total)
         assert (cfg["Q_SLOTS"], cfg["STAGES"], cfg["V_STAGES"]) == (2, 2, 2)
         assert cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"] and cfg["OVERLAP"] == overlap
+        assert cfg["CROSS_ITEM"] == (2 if overlap else 0)
 
 
 def test_prefill_item_keys():

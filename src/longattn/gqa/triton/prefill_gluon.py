@@ -30,6 +30,9 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
 - ``OVERLAP`` (H = 128 past ``launch.GLUON_OVERLAP_MIN_TOTAL`` keys, with ``EARLY_K_RELEASE``):
   FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
   (``_attend_overlapped``); session 39, H100: -1.4 to -5.5% at S = 8K / 32K, +3-4% at 2K.
+  ``CROSS_ITEM`` 2 (with it at H = 128) carries that overlap across work items: the next
+  item's first softmax runs during this item's last P.V (``_consumer_crossed``); session 40,
+  H100: a further -0 to -3% at S = 8K / 16K / 32K (five runs).
 
 Measured (same process, ``benchmarks/results/prefill_gluon_ab{1..6}_h200.json``): the dynamic
 ORDER-2 schedule with 2 Q slots is 3-11% faster than the static row-block-major one. Not kept
