@@ -63,11 +63,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # 39; sm_90 SASS: no spills in the H=128 tile loop, 23-26 local loads at H=256)
         ("gluon_overlap", _gl(OVERLAP=True, EARLY_K_RELEASE=False)),
         ("gluon_plain", _gl(OVERLAP=False, EARLY_K_RELEASE=False)),  # H=128 before session 39
-        ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=0)),
-        # ... carried across items (session 40): the next item's first softmax during this
-        # item's last P.V (cross), or its first QK^T during this item's stores (cross_stores)
-        ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2)),
-        ("gluon_cross_stores", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=1)),
+        ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False)),  # s39
+        # ... carried across items: the next item's first softmax during this item's last P.V
+        # (session 40; the H=128 default past 4096 keys)
+        ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True)),
     ]
     return out
 

@@ -941,8 +941,6 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "cross_item",
         "cross_item_late_k",
         "cross_item_tma",
-        "cross_item_stores",
-        "cross_item_stores_late_k",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -968,13 +966,11 @@ def test_prefill_gluon_gpu(name, variant, device):
                 # softmax of tile j while P.V of tile j-1 runs (an option, session 39)
                 overlap=dict(OVERLAP=True),
                 overlap_early_k=dict(OVERLAP=True, EARLY_K_RELEASE=True),
-                # ... carried across items (an option, session 40)
-                cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2),
-                cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=2),
-                cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=2,
-                                    EPILOGUE_TMA=True),
-                cross_item_stores=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=1),
-                cross_item_stores_late_k=dict(OVERLAP=True, CROSS_ITEM=1))[variant]  # fmt: skip
+                # ... carried across items (the H=128 default past 4096 keys, session 40)
+                cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True),
+                cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=True),
+                cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
+                                    EPILOGUE_TMA=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)
@@ -1044,7 +1040,7 @@ def test_prefill_gluon_config_short_items():
         cfg = launch.prefill_gluon_config(128, total)
         assert (cfg["Q_SLOTS"], cfg["STAGES"], cfg["V_STAGES"]) == (2, 2, 2)
         assert cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"] and cfg["OVERLAP"] == overlap
-        assert cfg["CROSS_ITEM"] == (2 if overlap else 0)
+        assert cfg["CROSS_ITEM"] == overlap
 
 
 def test_prefill_item_keys():

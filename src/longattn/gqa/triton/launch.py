@@ -321,13 +321,13 @@ GLUON_SHORT_TOTAL = 8192
 # 14978.3 / 15371.4 / 14975.2 -> 15148.0 / 14780.2 -> 14546.5 / 14531.7 / 14761.5 (-1.4 to
 # -5.5%). Session 40 (H100, ``prefill_gluon_cross_run2_session40_h100.json``, 7 rounds) at the
 # bound, S=4K: the plain early-K build 1059.4 us, OVERLAP 1077.5 (+1.7%), CROSS_ITEM 1056.7.
-# The same items past the bound also carry the overlap across items (CROSS_ITEM 2; H100, same
-# process, OVERLAP + early K release -> + CROSS_ITEM 2, median us, five runs of 5 / 7 / 11 /
+# The same items past the bound also carry the overlap across items (CROSS_ITEM; H100, same
+# process, OVERLAP + early K release -> + CROSS_ITEM, median us, five runs of 5 / 7 / 11 /
 # 21 / 9 rounds, ``prefill_gluon_cross{,_run2,_run3,_run4,_default}_session40_h100.json``):
 # S=8K 1962.4 -> 1895.8, 1962.7 -> 1950.8, 1938.3 -> 1946.1, 1958.0 -> 1915.9, 1932.0 -> 1908.2
 # (-3.4 / -0.6 / +0.4 / -2.1 / -1.2%); S=16K 3834.3 -> 3776.6 (-1.5%); S=32K 15017.8 ->
 # 15017.7, 15158.8 -> 14783.5, 15260.1 -> 14994.8, 14964.7 -> 14812.3 (0 / -2.5 / -1.7 / -1.0%);
-# S=2K (not used there), the plain early-K default -> CROSS_ITEM 2: 580.9 -> 607.0 (+4.5%: the
+# S=2K (not used there), the plain early-K default -> CROSS_ITEM: 580.9 -> 607.0 (+4.5%: the
 # overlap's loss on short items is not at their ends).
 GLUON_OVERLAP_MIN_TOTAL = 4096
 
@@ -367,17 +367,15 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     - OVERLAP: FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
       (``prefill_gluon._attend_overlapped``; sm_90 SASS: no spills in the H=128 tile loop,
       23-26 local loads per tile at H=256, where it ran 3-30% slower).
-    - CROSS_ITEM (with OVERLAP and 2 Q pairs, else 0): the overlapped loop carried across
-      items; 2: the next item's first softmax during this item's last P.V
-      (``prefill_gluon._consumer_crossed``; the H=128 default with OVERLAP), 1: the next item's
-      first QK^T during this item's output stores (``_consumer_crossed_stores``; an option,
-      H100: within -2.0 / +0.2% of OVERLAP alone at S = 8K / 16K / 32K).
+    - CROSS_ITEM (with OVERLAP and 2 Q pairs, else off): the overlapped loop carried across
+      items, the next item's first softmax during this item's last P.V
+      (``prefill_gluon._consumer_crossed``; the H=128 default with OVERLAP).
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
-    softmax with P.V, carried across items (CROSS_ITEM 2; see there for the measurements).
+    softmax with P.V, carried across items (CROSS_ITEM; see there for the measurements).
     H = 64 keeps the plain build (session 40, H100: OVERLAP + early K release 7-9% slower at
-    S = 2K / 8K / 32K, CROSS_ITEM 2 within -0.4 / +3.7%;
+    S = 2K / 8K / 32K, CROSS_ITEM within -0.4 / +3.7%;
     ``prefill_gluon_overlap_h64_session40_h100.json``). H = 256: 64-key tiles; sequences of more than ``GLUON_SHORT_TOTAL`` keys (or
     unknown): 2 + 2 slots and 1 Q pair (224 KiB would not hold 2); shorter ones, whose items
     are a few tiles long, the short-item shape: 2 Q pairs, 2 K slots refilled early, 1 V slot,
@@ -387,12 +385,12 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
                PERSISTENT=True, DYNAMIC=True, ORDER=2,
-               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=0)  # fmt: skip
+               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=False)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
     if head == 128:
         overlap = not 0 < max_total <= GLUON_OVERLAP_MIN_TOTAL
-        cfg.update(EARLY_K_RELEASE=True, OVERLAP=overlap, CROSS_ITEM=2 if overlap else 0)
+        cfg.update(EARLY_K_RELEASE=True, OVERLAP=overlap, CROSS_ITEM=overlap)
     return cfg
 
 
@@ -433,7 +431,7 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     base = prefill_gluon_config(h, prefill_item_keys(p.total_sequence_length, p.local_window_size))
     cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
     # the crossed loop takes the next item's Q before this item's epilogue frees its own slot
-    cfg["CROSS_ITEM"] = int(cfg["CROSS_ITEM"]) if cfg["OVERLAP"] and cfg["Q_SLOTS"] == 2 else 0
+    cfg["CROSS_ITEM"] = cfg["CROSS_ITEM"] and cfg["OVERLAP"] and cfg["Q_SLOTS"] == 2
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)

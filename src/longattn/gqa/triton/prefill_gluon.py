@@ -30,7 +30,7 @@ no bias, no int8 / per-row Q scale), laid out the way FlashAttention-3 runs on H
 - ``OVERLAP`` (H = 128 past ``launch.GLUON_OVERLAP_MIN_TOTAL`` keys, with ``EARLY_K_RELEASE``):
   FA3's intra-warpgroup overlap, tile j's softmax while tile j-1's P.V runs
   (``_attend_overlapped``); session 39, H100: -1.4 to -5.5% at S = 8K / 32K, +3-4% at 2K.
-  ``CROSS_ITEM`` 2 (with it at H = 128) carries that overlap across work items: the next
+  ``CROSS_ITEM`` (with it at H = 128) carries that overlap across work items: the next
   item's first softmax runs during this item's last P.V (``_consumer_crossed``); session 40,
   H100: a further -0 to -3% at S = 8K / 16K / 32K (five runs).
 
@@ -538,17 +538,9 @@ def _consumer(
     layout's 4-byte ones; EPILOGUE_TMA (with EPILOGUE_SMEM): one TMA bulk store of the tile
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
     stores; the Q tile is released once the copy engine has read it. CROSS_ITEM (with OVERLAP
-    and 2 Q slots): the overlapped loop carried across items, the next item's first QK^T
-    issued before this item's epilogue; 2: the next item's first softmax runs during this
-    item's last P.V (``_consumer_crossed``), 1: the next QK^T runs during this item's output
-    stores (``_consumer_crossed_stores``)."""
-    if CROSS_ITEM == 1:
-        _consumer_crossed_stores(
-            WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
-            softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
-            v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
-    elif CROSS_ITEM:
+    and 2 Q slots): the overlapped loop carried across items, the next item's first softmax
+    during this item's last P.V (``_consumer_crossed``)."""
+    if CROSS_ITEM:
         _consumer_crossed(
             WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
             softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
@@ -608,7 +600,7 @@ def _consumer_crossed(
     EPILOGUE_TMA: gl.constexpr,
 ):  # fmt: skip
     """``_consumer`` with the overlapped loop (``_overlap_tiles``) carried across items
-    (CROSS_ITEM = 2): at an item's end the next item's first QK^T and this item's last P.V are
+    (CROSS_ITEM): at an item's end the next item's first QK^T and this item's last P.V are
     issued back to back (as ``_overlap_tiles`` does within an item), the next item's first
     logits and softmax run while that P.V is on the tensor cores, then this item's epilogue;
     the next item enters ``_overlap_tiles`` with its first tile's weights (16-bit, rounded
@@ -711,100 +703,6 @@ def _consumer_crossed(
 
 
 @gluon.jit
-def _consumer_crossed_stores(
-    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
-    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
-    v_empty, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
-    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-    EPILOGUE_TMA: gl.constexpr,
-):  # fmt: skip
-    """``_consumer_crossed`` (CROSS_ITEM = 1): at an item's end its last P.V is waited for and
-    its rows normalized, then the next item's first QK^T is issued and runs during this item's
-    output stores; the next item starts from that tile's logits."""
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
-    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    it = 0  # ring counter of the current item's first tile
-    item = 0
-    acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
-    b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
-    offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
-        total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
-    # [64, BLOCK_N] the current item's first QK^T (issued without a tile too, see below)
-    has_next = (b >= 0) & (n_tiles > 0)
-    if has_next:
-        mbarrier.wait(k_ready.index(0), 0)
-    qk = warpgroup_mma(q_smem.index(WG), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                       is_async=True)  # fmt: skip
-    qk = warpgroup_mma_wait(0, deps=(qk,))
-    if EARLY_K_RELEASE:
-        if has_next:
-            mbarrier.arrive(k_empty.index(0), count=1)
-    while b >= 0:
-        r0 = m0 + WG * ROWS_PER_WG
-        r_lo = offset + r0
-        qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-        qs = item % Q_SLOTS
-        acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
-        p = s_zero
-        alpha = l_i
-        if n_tiles > 0:
-            s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos,
-                              r_lo, r_lo + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
-                              n_tiles == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-            p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
-            acc, p, alpha, m_i, l_i, it = _overlap_tiles(
-                acc, p, alpha, m_i, l_i, s_zero, it, q_smem.index(2 * qs + WG), qpos, r_lo,
-                r_lo + ROWS_PER_WG - 1, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
-                k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
-                V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-        # the next item (its Q slot is the other one: resident or on its way)
-        item += 1
-        b2, n2, m02, total2 = _take(info, q_bar, item, Q_SLOTS, 4)
-        offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2 = _item_keys(
-            total2, m02, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
-        has_next = (b2 >= 0) & (n_tiles2 > 0)
-        has_pv = kv_hi > kv_lo  # n_tiles > 0 (not reused: its predicate would stay live)
-        # this item's last P.V, then the next item's first QK^T, issued unconditionally: ptxas
-        # serializes every wgmma of the kernel when one is issued and waited for in different
-        # branches. Without a tile the P.V reads whatever V slot (P = 0, acc * alpha = 0;
-        # zeroed after, in case the slot holds NaN), and without a next item the QK^T reads
-        # whatever K slot (discarded); only their ready waits are skipped.
-        vs = it % V_STAGES
-        p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        if has_pv:
-            mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
-            it += 1  # the next item's first tile
-        acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        if has_pv:
-            _release_kv(k_empty, v_empty, it - 1, STAGES, V_STAGES, EARLY_K_RELEASE)
-        else:
-            acc = gl.zeros_like(acc)
-        o_tile = _finish_rows(acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty,
-                              HEAD, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)  # fmt: skip
-        ks = it % STAGES
-        if has_next:
-            mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-        qk = warpgroup_mma(q_smem.index(2 * (item % Q_SLOTS) + WG),
-                           k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)  # fmt: skip
-        _store_rows(o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem,
-                    q_empty, WG, HEAD, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
-        qk = warpgroup_mma_wait(0, deps=(qk,))
-        if EARLY_K_RELEASE:
-            if has_next:
-                mbarrier.arrive(k_empty.index(ks), count=1)
-        b, n, m0, total_len = b2, n2, m02, total2
-        offset, rows_valid, kv_lo, kv_hi, n_tiles = offset2, rows_valid2, kv_lo2, kv_hi2, n_tiles2
-
-
-@gluon.jit
 def gqa_prefill_gluon_kernel(
     q_desc,  # [B * S, N * HEAD] rotated Q (contiguous, dot dtype), block [64, HEAD]
     k_desc,  # [B, KV, C, HEAD] cache (dot dtype), block [1, 1, BLOCK_N, HEAD]
@@ -841,7 +739,7 @@ def gqa_prefill_gluon_kernel(
     EPILOGUE_SMEM: gl.constexpr,  # output rows through shared memory (see _consumer)
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
-    CROSS_ITEM: gl.constexpr = 0,  # OVERLAP carried across items (1, 2: see _consumer)
+    CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (_consumer_crossed)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
