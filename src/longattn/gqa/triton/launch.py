@@ -376,11 +376,11 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     softmax with P.V, carried across items (CROSS_ITEM; see there for the measurements).
     H = 64 keeps the plain build (session 40, H100: OVERLAP + early K release 7-9% slower at
     S = 2K / 8K / 32K, CROSS_ITEM within -0.4 / +3.7%;
-    ``prefill_gluon_overlap_h64_session40_h100.json``). H = 256: 64-key tiles; sequences of more than ``GLUON_SHORT_TOTAL`` keys (or
-    unknown): 2 + 2 slots and 1 Q pair (224 KiB would not hold 2); shorter ones, whose items
-    are a few tiles long, the short-item shape: 2 Q pairs, 2 K slots refilled early, 1 V slot,
-    TMA output stores, so the next item's Q is resident when an item ends (see
-    ``GLUON_SHORT_TOTAL`` for the measurements)."""
+    ``prefill_gluon_overlap_h64_session40_h100.json``). H = 256: 64-key tiles; sequences of
+    more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
+    not hold 2); shorter ones, whose items are a few tiles long, the short-item shape: 2 Q
+    pairs, 2 K slots refilled early, 1 V slot, TMA output stores, so the next item's Q is
+    resident when an item ends (see ``GLUON_SHORT_TOTAL`` for the measurements)."""
     bn = 64 if head > 128 else 128
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
