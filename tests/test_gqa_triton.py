@@ -1015,20 +1015,38 @@ def test_prefill_gluon_smem_fit(head, over, want):
     assert used <= launch.GLUON_SMEM_BYTES
 
 
+@pytest.mark.parametrize(
+    "over, cross",
+    [
+        (dict(OVERLAP=True, CROSS_ITEM=True), True),
+        (dict(OVERLAP=False, CROSS_ITEM=True), False),  # the crossed loop is the overlapped one
+        (dict(OVERLAP=True, CROSS_ITEM=True, Q_SLOTS=1), False),
+        (dict(OVERLAP=True, CROSS_ITEM=True, STAGES=4, V_STAGES=4), False),  # fit: 1 Q pair
+    ],
+)
+def test_prefill_gluon_cross_item_needs_two_q_pairs(over, cross):
+    """CROSS_ITEM waits for the next item's Q pair before this item's epilogue frees its own:
+    with one pair (asked for, or what the shared-memory fit leaves) the consumers would wait on
+    themselves, so the fit turns it off, as it does without OVERLAP."""
+    cfg = launch.fit_prefill_gluon_smem(dict(launch.prefill_gluon_config(128), **over), 128, 2)
+    assert cfg["CROSS_ITEM"] is cross
+
+
 def test_prefill_gluon_config_short_items():
     """H=256 sequences of up to GLUON_SHORT_TOTAL keys take the short-item ring shape (2 Q pairs,
     1 V slot, early K release, TMA output stores), which fits shared memory as it is; longer or
     unknown lengths keep 2 + 2 K / V slots without them. H=128 keeps 2 + 2 slots, releases K
-    early, and overlaps the softmax with P.V past GLUON_OVERLAP_MIN_TOTAL keys (or unknown);
-    H=64 (not measured) keeps the plain build. Nowhere else does OVERLAP run."""
+    early, and overlaps the softmax with P.V past GLUON_OVERLAP_MIN_TOTAL keys (or unknown),
+    carried across items (CROSS_ITEM); H=64 (where the overlap measured slower) keeps the plain
+    build. Nowhere else do OVERLAP or CROSS_ITEM run."""
     short = launch.prefill_gluon_config(256, launch.GLUON_SHORT_TOTAL)
     assert (short["Q_SLOTS"], short["STAGES"], short["V_STAGES"]) == (2, 2, 1)
     assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"] and not short["OVERLAP"]
-    assert launch.fit_prefill_gluon_smem(short, 256, 2) == short
+    assert not short["CROSS_ITEM"] and launch.fit_prefill_gluon_smem(short, 256, 2) == short
     for head, total in ((256, launch.GLUON_SHORT_TOTAL + 1), (256, 0), (64, 2048), (64, 0)):
         cfg = launch.prefill_gluon_config(head, total)
         assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
-        assert not cfg["OVERLAP"]
+        assert not cfg["OVERLAP"] and not cfg["CROSS_ITEM"]
     edge = launch.GLUON_OVERLAP_MIN_TOTAL
     for total, overlap in (
         (2048, False),

@@ -402,7 +402,9 @@ def fit_prefill_gluon_smem(cfg: dict, head: int, elem_bytes: int) -> dict:
     the Q tile pairs and the K / V ring slots fit ``GLUON_SMEM_BYTES`` (H=256 at the default
     2 + 2 K/V slots: one Q pair of 64 KiB). Q pairs are 128 x head (2 * ``prefill_gluon.
     ROWS_PER_WG``, not imported here: the Gluon module loads with the first launch), ring slots
-    BLOCK_N x head."""
+    BLOCK_N x head. CROSS_ITEM stays only with OVERLAP and 2 Q pairs: the crossed loop waits
+    for the next item's Q before this item's epilogue frees its own Q pair, so with one pair
+    the consumers would wait on themselves."""
     cfg = dict(cfg)
     q_bytes, tile_bytes = 128 * head * elem_bytes, cfg["BLOCK_N"] * head * elem_bytes
 
@@ -415,6 +417,8 @@ def fit_prefill_gluon_smem(cfg: dict, head: int, elem_bytes: int) -> dict:
         cfg["Q_SLOTS"] -= 1
     while max(cfg["STAGES"], cfg["V_STAGES"]) > 1 and not fits():
         cfg["STAGES"], cfg["V_STAGES"] = max(cfg["STAGES"] - 1, 1), max(cfg["V_STAGES"] - 1, 1)
+    cfg["CROSS_ITEM"] = bool(cfg.get("CROSS_ITEM")) and bool(cfg.get("OVERLAP"))
+    cfg["CROSS_ITEM"] = cfg["CROSS_ITEM"] and cfg["Q_SLOTS"] == 2
     return cfg
 
 
@@ -430,8 +434,6 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
     b, s, n, h = q_rot.shape
     base = prefill_gluon_config(h, prefill_item_keys(p.total_sequence_length, p.local_window_size))
     cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
-    # the crossed loop takes the next item's Q before this item's epilogue frees its own slot
-    cfg["CROSS_ITEM"] = cfg["CROSS_ITEM"] and cfg["OVERLAP"] and cfg["Q_SLOTS"] == 2
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
