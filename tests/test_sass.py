@@ -184,6 +184,24 @@ def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     assert sum(tile.values()) <= sum(over_tile.values()), (tile, over_tile)
 
 
+@pytest.mark.parametrize("head, keys", [(64, 0), (128, 2048), (256, 2048), (256, 0)])
+def test_prefill_gluon_default_builds_keep_the_wgmmas_asynchronous(head, keys):
+    """The Gluon prefill's default builds without OVERLAP (``launch.prefill_gluon_config``: H=64,
+    H=128 up to 4096 keys, H=256 short and long items) wait once per wgmma group, QK^T and P.V
+    in each of the two consumers. ptxas serializes every wgmma of a kernel it cannot pipeline
+    (one wait per HGMMA: C7512 / C7513, see ``CROSS_ITEM``), silently but for a performance
+    message, so the count is the guard."""
+    from longattn.gqa.triton import launch
+
+    cfg = launch.fit_prefill_gluon_smem(launch.prefill_gluon_config(head, keys), head, 2)
+    keys_set = ("BLOCK_N", "STAGES", "V_STAGES", "EARLY_K_RELEASE", "Q_SLOTS", "EPILOGUE_SMEM",
+                "EPILOGUE_TMA", "OVERLAP", "CROSS_ITEM")  # fmt: skip
+    sets = ",".join([f"HEAD={head}"] + [f"{k}={cfg[k]}" for k in keys_set])
+    res = _sass("gqa-prefill-gluon", "--set", sets)
+    assert not cfg["OVERLAP"] and res["hist"]["HGMMA"] >= 24, (cfg, res["hist"])
+    assert res["hgmma_waits"] == 4 and res["hgmma_wait1"] == 0, (sets, res["hgmma_waits"])
+
+
 def test_wgmma_probe_compiles_all_three_operand_paths():
     """``benchmarks/gluon_wgmma_probe.py`` (the GPU check of the register-operand paths): for
     K = 256, 16 k-steps of A from shared memory, 16 of A from registers, and 8 + 8 split."""
