@@ -417,8 +417,7 @@ def fit_prefill_gluon_smem(cfg: dict, head: int, elem_bytes: int) -> dict:
         cfg["Q_SLOTS"] -= 1
     while max(cfg["STAGES"], cfg["V_STAGES"]) > 1 and not fits():
         cfg["STAGES"], cfg["V_STAGES"] = max(cfg["STAGES"] - 1, 1), max(cfg["V_STAGES"] - 1, 1)
-    cfg["CROSS_ITEM"] = bool(cfg.get("CROSS_ITEM")) and bool(cfg.get("OVERLAP"))
-    cfg["CROSS_ITEM"] = cfg["CROSS_ITEM"] and cfg["Q_SLOTS"] == 2
+    cfg["CROSS_ITEM"] = bool(cfg.get("CROSS_ITEM") and cfg.get("OVERLAP")) and cfg["Q_SLOTS"] == 2
     return cfg
 
 

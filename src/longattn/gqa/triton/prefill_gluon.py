@@ -439,23 +439,10 @@ def _epilogue(
     seq_len, q_smem, q_empty, WG: gl.constexpr, HEAD: gl.constexpr, HAS_SINK: gl.constexpr,
     SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
 ):  # fmt: skip
-    """A warpgroup's 64 finished rows of head n, rows [r0, r0 + 64) of sequence b
-    (``_finish_rows``) stored to ``o_ptr`` (``_store_rows``)."""
-    o_tile = _finish_rows(acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty, HEAD,
-                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM)  # fmt: skip
-    _store_rows(o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem,
-                q_empty, WG, HEAD, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
-
-
-@gluon.jit
-def _finish_rows(
-    acc, m_i, l_i, n, r0, rows_valid, qs, o_ptr, sink_ptr, q_empty, HEAD: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-):  # fmt: skip
-    """The output tile [64, HEAD] in o_ptr's dtype from a warpgroup's finished online softmax
-    (acc [64, HEAD] fp32, m / l [64] in the logits' row layout): the sink, normalization,
-    padding rows (>= rows_valid) zeroed. Without EPILOGUE_SMEM the item's Q tile (Q slot
-    ``qs``) is released here (else after the rows passed through it, ``_store_rows``)."""
+    """A warpgroup's 64 finished rows (acc [64, HEAD] fp32, m / l [64] in the logits' row
+    layout) of head n, rows [r0, r0 + 64) of sequence b: sink, normalization, padding rows
+    (>= rows_valid) zeroed, stored to ``o_ptr``; the item's Q tile (Q slot ``qs``) is released
+    (EPILOGUE_SMEM: after the rows passed through it, see ``_consumer``)."""
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     if not EPILOGUE_SMEM:
@@ -471,22 +458,7 @@ def _finish_rows(
     acc = normalize(acc, l_i)
     rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
     acc = gl.where(gl.expand_dims(rows < rows_valid, 1), acc, 0.0)  # padding rows -> 0
-    return acc.to(o_ptr.dtype.element_ty)
-
-
-@gluon.jit
-def _store_rows(
-    o_tile, b, n, r0, qs, o_ptr, o_desc, stride_ob, stride_os, seq_len, q_smem, q_empty,
-    WG: gl.constexpr, HEAD: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-    EPILOGUE_TMA: gl.constexpr,
-):  # fmt: skip
-    """``_finish_rows``' tile [64, HEAD] (accumulator layout) to rows [r0, r0 + 64) of head n
-    of sequence b in ``o_ptr`` (rows past seq_len left out): through the item's Q tile (Q slot
-    ``qs``, released after) as 16-byte row-contiguous stores (EPILOGUE_SMEM) or one TMA store
-    (EPILOGUE_TMA), else by the accumulator layout's 4-byte stores."""
-    o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = r0 + gl.arange(0, ROWS_PER_WG, layout=row_o)  # [64] new-token index
+    o_tile = acc.to(o_ptr.dtype.element_ty)
     if EPILOGUE_TMA:  # through the free Q tile, one bulk copy to global memory
         o_smem = _q_as_output(q_smem.index(2 * qs + WG), o_ptr.dtype.element_ty)
         o_smem.store(o_tile)
@@ -590,6 +562,22 @@ def _consumer_items(
 
 
 @gluon.jit
+def _first_softmax(
+    qk, m_i, l_i, r_lo, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
+    BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+):  # fmt: skip
+    """``_softmax_step`` of an item's first tile from its QK^T ``qk`` [64, BLOCK_N], for the
+    warpgroup's rows [r_lo, r_lo + 64) over the item's keys [kv_lo, kv_hi) in n_tiles tiles;
+    m / l: the fresh state (-inf, 0). Returns (p, alpha, m, l)."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+    qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, s_layout))  # [64]
+    s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos, r_lo,
+                      r_lo + ROWS_PER_WG - 1, window, qk_scale, softcap_mult, n_tiles == 1,
+                      s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+    return _softmax_step(s, unit, m_i, l_i)
+
+
+@gluon.jit
 def _consumer_crossed(
     WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
     softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
@@ -634,12 +622,9 @@ def _consumer_crossed(
     p = s_zero.to(dtype)
     alpha = l_i
     if has_next:
-        r_lo = offset + m0 + WG * ROWS_PER_WG
-        qpos = r_lo + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-        s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos,
-                          r_lo, r_lo + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
-                          n_tiles == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        p, alpha, m_i, l_i = _first_softmax(
+            qk, m_i, l_i, offset + m0 + WG * ROWS_PER_WG, kv_lo, kv_hi, n_tiles, window, qk_scale,
+            softcap_mult, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         p = p.to(dtype)
     while b >= 0:
         r0 = m0 + WG * ROWS_PER_WG
@@ -678,13 +663,10 @@ def _consumer_crossed(
             if has_next:
                 mbarrier.arrive(k_empty.index(ks), count=1)
         # the next item's first softmax (computed without a next item too, then discarded)
-        r_lo2 = offset2 + m02 + WG * ROWS_PER_WG
-        qpos2 = r_lo2 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-        s, unit = _logits(qk, _tile_start(0, kv_lo2, kv_hi2, n_tiles2, BLOCK_N), kv_lo2, qpos2,
-                          r_lo2, r_lo2 + ROWS_PER_WG - 1, window, qk_scale, softcap_mult,
-                          n_tiles2 == 1, s_layout, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-        p2, alpha2, m2, l2 = _softmax_step(s, unit, gl.full_like(m_i, float("-inf")),
-                                           gl.zeros_like(l_i))  # fmt: skip
+        p2, alpha2, m2, l2 = _first_softmax(
+            qk, gl.full_like(m_i, float("-inf")), gl.zeros_like(l_i),
+            offset2 + m02 + WG * ROWS_PER_WG, kv_lo2, kv_hi2, n_tiles2, window, qk_scale,
+            softcap_mult, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
         m2 = gl.where(has_next, m2, float("-inf"))
         l2 = gl.where(has_next, l2, 0.0)
         acc = warpgroup_mma_wait(0, deps=(acc,))
