@@ -10,11 +10,18 @@ the median, every round's time and the spread): back-to-back runs of one config 
 the base output (``maxdiff_vs_base``: 0 where the two
 kernels compute the same sums in the same order; a BLOCK_N change moves bf16 rounding). Writes
 ``prefill_tma_ab.json`` (kept runs: ``benchmarks/results/prefill_{tma,gluon_ab*}_h200.json``).
+
+``--ref-src FILE`` times each chosen Gluon variant a second time (``<name>@ref``) with the
+kernel built from another version of ``prefill_gluon.py``, in the same process and rounds:
+
+    git show HEAD~1:src/longattn/gqa/triton/prefill_gluon.py > /tmp/ref.py
+    PYTHONPATH=src python benchmarks/prefill_tma_ab.py --ref-src /tmp/ref.py --variants gluon
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -67,15 +74,48 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # ... carried across items: the next item's first softmax during this item's last P.V
         # (session 40; the H=128 default past 4096 keys)
         ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True)),
+        # FA3's inter-warpgroup ping-pong on the overlapped loops: the two consumers take turns
+        # to issue their wgmma groups (session 41)
+        (
+            "gluon_overlap_pp",
+            _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),
+        ),  # fmt: skip
+        (
+            "gluon_cross_pp",
+            _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True, PINGPONG=True),
+        ),  # fmt: skip
     ]
     return out
 
 
+def _load_ref_kernel(path: str):
+    """``gqa_prefill_gluon_kernel`` built from another version of ``prefill_gluon.py`` (its
+    relative imports resolve in the installed package)."""
+    spec = importlib.util.spec_from_file_location("longattn.gqa.triton._ref_prefill_gluon", path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "longattn.gqa.triton"
+    spec.loader.exec_module(mod)
+    return mod.gqa_prefill_gluon_kernel
+
+
 def _fn(p, cfg):
     if cfg.get("_GLUON"):
-        g_cfg = {k: v for k, v in cfg.items() if k != "_GLUON"}
-        return lambda q_rot, pk, pv, sl, out: launch.run_prefill_gluon(q_rot, pk, pv, sl, p, out,
-                                                                       g_cfg)  # fmt: skip
+        g_cfg = {k: v for k, v in cfg.items() if k not in ("_GLUON", "_KERNEL")}
+        kernel = cfg.get("_KERNEL")
+        if kernel is None:
+            return lambda q_rot, pk, pv, sl, out: launch.run_prefill_gluon(
+                q_rot, pk, pv, sl, p, out, g_cfg)  # fmt: skip
+        from longattn.gqa.triton import prefill_gluon
+
+        def run_ref(q_rot, pk, pv, sl, out):  # the launcher imports the kernel per call
+            own = prefill_gluon.gqa_prefill_gluon_kernel
+            prefill_gluon.gqa_prefill_gluon_kernel = kernel
+            try:
+                launch.run_prefill_gluon(q_rot, pk, pv, sl, p, out, g_cfg)
+            finally:
+                prefill_gluon.gqa_prefill_gluon_kernel = own
+
+        return run_ref
     return bg._prefill_attn_fn(p, cfg)
 
 
@@ -104,8 +144,12 @@ def main(argv=None):
                          "given is the maxdiff reference)")  # fmt: skip
     ap.add_argument("--heads", default="128,256")
     ap.add_argument("--seqs", default="2048,8192,32768")
+    ap.add_argument("--ref-src", default="",
+                    help="another prefill_gluon.py: each chosen Gluon variant is also timed "
+                         "with its kernel, as <name>@ref")  # fmt: skip
     args = ap.parse_args(argv)
     keep = [v for v in args.variants.split(",") if v]
+    ref_kernel = _load_ref_kernel(args.ref_src) if args.ref_src else None
     rows = []
     for h in (int(x) for x in args.heads.split(",")):
         for s in (int(x) for x in args.seqs.split(",")):
@@ -116,6 +160,9 @@ def main(argv=None):
             runs, ref = [], None
             chosen = [v for v in variants(h) if not keep or v[0] in keep]
             chosen.sort(key=lambda v: keep.index(v[0]) if keep else 0)
+            if ref_kernel is not None:
+                chosen += [(f"{name}@ref", dict(cfg, _KERNEL=ref_kernel))
+                           for name, cfg in chosen if cfg.get("_GLUON")]  # fmt: skip
             for name, cfg in chosen:
                 got = _check(p, name, cfg, asets[0])
                 if got is None:
@@ -132,6 +179,7 @@ def main(argv=None):
             state = gpu_state()  # right after the timings: the clock they ran at
             for name, cfg, _, maxdiff, nan in runs:
                 us = statistics.median(times[name])
+                cfg = {k: v for k, v in cfg.items() if k != "_KERNEL"}
                 row = dict(H=h, S=s, B=b, variant=name, cfg=str(cfg), us=us,
                            TFLOPs=flops / (us * 1e-6) / 1e12, round_us=times[name],
                            spread=(max(times[name]) - min(times[name])) / us,

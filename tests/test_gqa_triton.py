@@ -941,6 +941,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "cross_item",
         "cross_item_late_k",
         "cross_item_tma",
+        "overlap_pingpong",
+        "cross_item_pingpong",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -970,7 +972,11 @@ def test_prefill_gluon_gpu(name, variant, device):
                 cross_item=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True),
                 cross_item_late_k=dict(OVERLAP=True, CROSS_ITEM=True),
                 cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
-                                    EPILOGUE_TMA=True))[variant]  # fmt: skip
+                                    EPILOGUE_TMA=True),
+                # the two consumers take turns to issue their wgmma groups (session 41)
+                overlap_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, PINGPONG=True),
+                cross_item_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
+                                         PINGPONG=True))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -151,18 +151,19 @@ def _h128_tile_loop(res: dict) -> dict:
     return min(tiles, key=lambda c: sum(c.values()))
 
 
-def test_prefill_gluon_overlap_keeps_the_h128_tile_loop_in_registers():
-    """``OVERLAP`` (tile j's softmax while tile j-1's P.V runs; with early K release the H=128
-    default past ``GLUON_OVERLAP_MIN_TOTAL`` keys): the H=128 build keeps its tile loop free of
-    local memory (QK^T's logits, P and the accumulator live at once: 168 registers at launch,
-    240 per consumer), issues both wgmma groups back to back (16 HGMMA per tile) and waits for
-    the older one first (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), where the plain loop waits for each
-    group alone."""
+def test_prefill_gluon_overlap_waits_for_the_older_wgmma_group_first():
+    """``OVERLAP`` (tile j's softmax while tile j-1's P.V runs; with early K release and
+    ``CROSS_ITEM`` the H=128 default past ``GLUON_OVERLAP_MIN_TOTAL`` keys) issues both wgmma
+    groups back to back (16 HGMMA per tile) and waits for the older one first
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), where the plain loop waits for each group alone. The
+    build without CROSS_ITEM (a bench / test variant only) spills since session 41's one-compare
+    mask (24 local loads per tile, in the mask path); the default crossed build keeps its tile
+    loop in registers (next test)."""
     over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
     plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False,EARLY_K_RELEASE=True")
     tile = _h128_tile_loop(over)
-    assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
-    assert over["regs"] == 168 and over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
+    assert tile["HGMMA"] == 16 and over["regs"] == 168, (tile, over["regs"])
+    assert over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
 
 
 def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
@@ -182,6 +183,19 @@ def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     tile, over_tile = _h128_tile_loop(cross), _h128_tile_loop(over)
     assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
     assert sum(tile.values()) <= sum(over_tile.values()), (tile, over_tile)
+    assert cross["regs"] == 168, cross["regs"]
+
+
+@pytest.mark.parametrize("sets", ["HEAD=64", "HEAD=128", "HEAD=128,HAS_WINDOW=True"])
+def test_prefill_gluon_mask_takes_one_compare_and_one_select_per_logit(sets):
+    """The causal / window / shifted-tile mask of a tile (``prefill_gluon._logits``) is one
+    unsigned compare of ``key - first`` with the row's span of visible keys and one select per
+    logit (64 per thread at BLOCK_N 128); the two-sided form before session 41 took two of
+    each (tile loop 804 -> 713 instructions at H=128)."""
+    res = _sass("gqa-prefill-gluon", "--set", f"EARLY_K_RELEASE=True,{sets}")
+    tile = min((c for c in res["loops"] if c.get("HGMMA", 0) >= 12 and 64 <= c.get("MUFU", 0) < 128),
+               key=lambda c: sum(c.values()))  # fmt: skip
+    assert tile["FSEL"] <= 64 + 4 and tile["ISETP"] <= 64 + 8, tile
 
 
 @pytest.mark.parametrize("head, keys", [(64, 0), (128, 2048), (256, 2048), (256, 0)])

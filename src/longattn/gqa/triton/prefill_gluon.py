@@ -84,6 +84,12 @@ def _wgmma_layout(n):
 
 
 @gluon.constexpr_function
+def _turn_of(wg, pingpong):
+    """A consumer's ``TURN`` (see ``_turn_wait``): its warpgroup with PINGPONG, else -1."""
+    return wg if pingpong else -1
+
+
+@gluon.constexpr_function
 def _row_store_layout(head):
     """Blocked layout of a [64, head] 16-bit output tile for 16-byte row-contiguous stores, one
     warpgroup (4 warps)."""
@@ -244,10 +250,15 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
         offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         cols = gl.expand_dims(offs_n, 0)  # [1, BLOCK_N]
         rows = gl.expand_dims(qpos, 1)  # [64, 1]
-        mask = (cols <= rows) & (cols >= lo)
+        # row r sees keys [first, r]: first = lo, or the window's edge where that is later
         if HAS_WINDOW:
-            mask = mask & (cols > rows - window)
-        s = gl.where(mask, s, float("-inf"))
+            first = gl.maximum(rows - window + 1, lo)  # [64, 1]
+        else:
+            first = lo
+        # one unsigned compare per logit (cols - first wraps where cols < first)
+        span = gl.maximum(rows + 1 - first, 0).to(gl.uint32, bitcast=True)  # [64, 1] visible
+        seen = (cols - first).to(gl.uint32, bitcast=True) < span
+        s = gl.where(seen, s, float("-inf"))
     return s, unit
 
 
@@ -260,6 +271,30 @@ def _softmax_step(s, unit, m_i, l_i):
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _turn_wait(TURN: gl.constexpr):
+    """PINGPONG (``TURN`` = the consumer's warpgroup, -1 off): wait until the other consumer
+    has issued its last wgmma group (named barrier 14 + TURN, both warpgroups' 256 threads)."""
+    if TURN == 0:
+        gl.inline_asm_elementwise("bar.sync 14, 256;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+    elif TURN == 1:
+        gl.inline_asm_elementwise("bar.sync 15, 256;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _turn_pass(TURN: gl.constexpr):
+    """PINGPONG: this consumer's wgmma group is issued; the other consumer may issue its own
+    (``bar.arrive`` on the other warpgroup's barrier; see ``_turn_wait``)."""
+    if TURN == 0:
+        gl.inline_asm_elementwise("bar.arrive 15, 256;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    elif TURN == 1:
+        gl.inline_asm_elementwise("bar.arrive 14, 256;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -277,13 +312,15 @@ def _attend_init(HEAD: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES: gl.constexpr,
-             EARLY_K_RELEASE: gl.constexpr):  # fmt: skip
+             EARLY_K_RELEASE: gl.constexpr, TURN: gl.constexpr = -1):  # fmt: skip
     """QK^T of the K ring's tile ``it`` alone (issued and waited for): [64, BLOCK_N] fp32; with
-    EARLY_K_RELEASE its slot is released at once."""
+    EARLY_K_RELEASE its slot is released at once. TURN: issued in turn (``_turn_wait``)."""
     ks = it % STAGES
     mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+    _turn_wait(TURN)
     qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)  # fmt: skip
+    _turn_pass(TURN)
     qk = warpgroup_mma_wait(0, deps=(qk,))  # [64, BLOCK_N] fp32
     if EARLY_K_RELEASE:
         mbarrier.arrive(k_empty.index(ks), count=1)
@@ -304,16 +341,20 @@ def _release_kv(k_empty, v_empty, it, STAGES: gl.constexpr, V_STAGES: gl.constex
 def _pv_tile(
     acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD: gl.constexpr,
     STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
+    TURN: gl.constexpr = -1,
 ):  # fmt: skip
     """``acc * alpha + P.V`` of tile ``it`` (issued and waited for; P [64, BLOCK_N] from
-    registers), then its slots released (``_release_kv``): acc [64, HEAD] fp32."""
+    registers), then its slots released (``_release_kv``): acc [64, HEAD] fp32. TURN: issued
+    in turn (``_turn_wait``)."""
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     vs = it % V_STAGES
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # registers: wgmma A operand
     mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
+    _turn_wait(TURN)
     acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+    _turn_pass(TURN)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     _release_kv(k_empty, v_empty, it, STAGES, V_STAGES, EARLY_K_RELEASE)
     return acc
@@ -325,19 +366,20 @@ def _attend(
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    OVERLAP: gl.constexpr,
+    OVERLAP: gl.constexpr, TURN: gl.constexpr,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
     slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
     EARLY_K_RELEASE: a K slot is released right after its QK^T (else with the V slot, after
     P.V), so the producer refills it during the softmax and P.V. OVERLAP (FA3's intra-warpgroup
     overlap): tile j's QK^T and tile j-1's P.V are issued back to back, and tile j's softmax
-    runs while that P.V is on the tensor cores (``_attend_overlapped``)."""
+    runs while that P.V is on the tensor cores (``_attend_overlapped``); TURN (PINGPONG, with
+    OVERLAP): the two consumers take turns to issue their wgmma groups."""
     if OVERLAP:
         return _attend_overlapped(
             it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
             k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
-            V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP, TURN)  # fmt: skip
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     for j in range(n_tiles):
@@ -359,6 +401,7 @@ def _attend_overlapped(
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    TURN: gl.constexpr,
 ):  # fmt: skip
     """``_attend`` with tile j's QK^T issued before tile j-1's P.V, and tile j's logits and
     softmax computed while that P.V runs (``_overlap_tiles``); the last tile's P.V follows."""
@@ -366,7 +409,7 @@ def _attend_overlapped(
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     if n_tiles > 0:
         # tile 0: QK^T and softmax (its P.V is issued with tile 1's QK^T)
-        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE)
+        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE, TURN)
         s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos, r_lo,
                           r_hi, window, qk_scale, softcap_mult, n_tiles == 1, s_layout, BLOCK_N,
                           HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
@@ -374,10 +417,11 @@ def _attend_overlapped(
         acc, p, alpha, m_i, l_i, it = _overlap_tiles(
             acc, p, alpha, m_i, l_i, s_zero, it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles,
             window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-            HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+            HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP,
+            TURN)  # fmt: skip
         # the last tile's P.V
         acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
-                       V_STAGES, EARLY_K_RELEASE)  # fmt: skip
+                       V_STAGES, EARLY_K_RELEASE, TURN)  # fmt: skip
         it += 1
     return acc, m_i, l_i, it
 
@@ -388,12 +432,15 @@ def _overlap_tiles(
     qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+    TURN: gl.constexpr,
 ):  # fmt: skip
     """Tiles 1 .. n_tiles - 1 of an item whose tile 0 (ring tile ``it``) is softmaxed (weights
     ``p``, rescale ``alpha``) but not yet multiplied by V: each step issues tile j's QK^T and
     tile j-1's P.V back to back, waits for the QK^T only (wgmma groups complete in order), and
     computes tile j's logits and softmax while that P.V runs. Returns the state with the last
-    tile's P.V pending: (acc, p, alpha, m, l, it) with ``it`` that tile's ring counter."""
+    tile's P.V pending: (acc, p, alpha, m, l, it) with ``it`` that tile's ring counter.
+    TURN (PINGPONG): each step's two wgmmas are issued in turn with the other consumer's, so
+    one consumer's softmax runs while the other's wgmmas hold the tensor cores."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -408,10 +455,12 @@ def _overlap_tiles(
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # tile j-1's weights
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
+        _turn_wait(TURN)
         qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         mbarrier.wait(v_ready.index(vs), (prev // V_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        _turn_pass(TURN)
         qk = warpgroup_mma_wait(1, deps=(qk,))  # QK^T(j) done; P.V(j-1) may still run
         if EARLY_K_RELEASE:
             mbarrier.arrive(k_empty.index(ks), count=1)
@@ -501,7 +550,7 @@ def _consumer(
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
     EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
-    CROSS_ITEM: gl.constexpr,
+    CROSS_ITEM: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
@@ -511,20 +560,30 @@ def _consumer(
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
     stores; the Q tile is released once the copy engine has read it. CROSS_ITEM (with OVERLAP
     and 2 Q slots): the overlapped loop carried across items, the next item's first softmax
-    during this item's last P.V (``_consumer_crossed``)."""
+    during this item's last P.V (``_consumer_crossed``). PINGPONG (with OVERLAP; FA3's
+    inter-warpgroup schedule): the two consumers take turns to issue their wgmma groups
+    (``_turn_wait``), consumer 0 first; both issue the same number of groups (the same items
+    and tiles), and consumer 0 takes the turn that consumer 1's last group passes it at the
+    end, so every named-barrier arrival is matched."""
+    TURN: gl.constexpr = _turn_of(WG, PINGPONG and OVERLAP)
+    if TURN == 1:
+        _turn_pass(TURN)  # consumer 0 goes first
     if CROSS_ITEM:
         _consumer_crossed(
             WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
             softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
             v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA,
+            TURN)  # fmt: skip
     else:
         _consumer_items(
             WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
             softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
             v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
             HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA,
-            OVERLAP)  # fmt: skip
+            OVERLAP, TURN)  # fmt: skip
+    if TURN == 0:
+        _turn_wait(TURN)  # consumer 1's last pass
 
 
 @gluon.jit
@@ -535,7 +594,7 @@ def _consumer_items(
     V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
     IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-    EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr, TURN: gl.constexpr,
 ):  # fmt: skip
     """``_consumer``, one item after another: its tiles (``_attend``), then its epilogue."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
@@ -553,7 +612,7 @@ def _consumer_items(
             it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
             kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW,
-            HAS_SOFTCAP, OVERLAP)  # fmt: skip
+            HAS_SOFTCAP, OVERLAP, TURN)  # fmt: skip
         _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
                   stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
                   EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
@@ -585,7 +644,7 @@ def _consumer_crossed(
     V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
     IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
     HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-    EPILOGUE_TMA: gl.constexpr,
+    EPILOGUE_TMA: gl.constexpr, TURN: gl.constexpr,
 ):  # fmt: skip
     """``_consumer`` with the overlapped loop (``_overlap_tiles``) carried across items
     (CROSS_ITEM): at an item's end the next item's first QK^T and this item's last P.V are
@@ -613,8 +672,10 @@ def _consumer_crossed(
     has_next = (b >= 0) & (n_tiles > 0)
     if has_next:
         mbarrier.wait(k_ready.index(0), 0)
+    _turn_wait(TURN)
     qk = warpgroup_mma(q_smem.index(WG), k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)  # fmt: skip
+    _turn_pass(TURN)
     qk = warpgroup_mma_wait(0, deps=(qk,))
     if EARLY_K_RELEASE:
         if has_next:
@@ -637,7 +698,7 @@ def _consumer_crossed(
                 acc, p, alpha, m_i, l_i, s_zero, it, q_smem.index(2 * qs + WG), qpos, r_lo,
                 r_lo + ROWS_PER_WG - 1, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
                 k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES,
-                V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
+                V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP, TURN)  # fmt: skip
             p = p.to(dtype)
         item += 1
         b2, n2, m02, total2 = _take(info, q_bar, item, Q_SLOTS, 4)
@@ -652,12 +713,14 @@ def _consumer_crossed(
         ks = nxt % STAGES
         if has_next:
             mbarrier.wait(k_ready.index(ks), (nxt // STAGES) & 1)
+        _turn_wait(TURN)
         qk = warpgroup_mma(q_smem.index(2 * (item % Q_SLOTS) + WG),
                            k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)  # fmt: skip
         if has_pv:
             mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        _turn_pass(TURN)
         qk = warpgroup_mma_wait(1, deps=(qk,))
         if EARLY_K_RELEASE:
             if has_next:
@@ -722,6 +785,7 @@ def gqa_prefill_gluon_kernel(
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
     CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (_consumer_crossed)
+    PINGPONG: gl.constexpr = False,  # with OVERLAP: consumers alternate wgmma issue (_consumer)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -754,13 +818,13 @@ def gqa_prefill_gluon_kernel(
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
-                         CROSS_ITEM)),
+                         CROSS_ITEM, PINGPONG)),
             (_consumer, (1, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
-                         CROSS_ITEM)),
+                         CROSS_ITEM, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
