@@ -75,7 +75,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # (session 40; the H=128 default past 4096 keys)
         ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True)),
         # FA3's inter-warpgroup ping-pong on the overlapped loops: the two consumers take turns
-        # to issue their wgmma groups (session 41)
+        # to issue their wgmma groups (session 41); the plain loop's turn is tile j's P.V and
+        # tile j + 1's QK^T
+        ("gluon_pp", _gl(PINGPONG=True)),  # the default build of each shape, with ping-pong
+        ("gluon_ekr_pp", _gl(EARLY_K_RELEASE=True, OVERLAP=False, PINGPONG=True)),
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),

@@ -941,6 +941,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "cross_item",
         "cross_item_late_k",
         "cross_item_tma",
+        "pingpong",
         "overlap_pingpong",
         "cross_item_pingpong",
     ],
@@ -974,6 +975,7 @@ def test_prefill_gluon_gpu(name, variant, device):
                 cross_item_tma=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
                                     EPILOGUE_TMA=True),
                 # the two consumers take turns to issue their wgmma groups (session 41)
+                pingpong=dict(PINGPONG=True),
                 overlap_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, PINGPONG=True),
                 cross_item_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
                                          PINGPONG=True))[variant]  # fmt: skip

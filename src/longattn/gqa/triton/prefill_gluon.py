@@ -312,12 +312,15 @@ def _attend_init(HEAD: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES: gl.constexpr,
-             EARLY_K_RELEASE: gl.constexpr, TURN: gl.constexpr = -1):  # fmt: skip
+             EARLY_K_RELEASE: gl.constexpr, TURN: gl.constexpr = -1,
+             TAKE: gl.constexpr = True):  # fmt: skip
     """QK^T of the K ring's tile ``it`` alone (issued and waited for): [64, BLOCK_N] fp32; with
-    EARLY_K_RELEASE its slot is released at once. TURN: issued in turn (``_turn_wait``)."""
+    EARLY_K_RELEASE its slot is released at once. TURN: issued in turn (``_turn_wait``; TAKE
+    False: the caller holds the turn already), which passes once it is issued."""
     ks = it % STAGES
     mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
-    _turn_wait(TURN)
+    if TAKE:
+        _turn_wait(TURN)
     qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)  # fmt: skip
     _turn_pass(TURN)
@@ -341,11 +344,12 @@ def _release_kv(k_empty, v_empty, it, STAGES: gl.constexpr, V_STAGES: gl.constex
 def _pv_tile(
     acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD: gl.constexpr,
     STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
-    TURN: gl.constexpr = -1,
+    TURN: gl.constexpr = -1, GIVE: gl.constexpr = True,
 ):  # fmt: skip
     """``acc * alpha + P.V`` of tile ``it`` (issued and waited for; P [64, BLOCK_N] from
     registers), then its slots released (``_release_kv``): acc [64, HEAD] fp32. TURN: issued
-    in turn (``_turn_wait``)."""
+    in turn (``_turn_wait``), which passes once it is issued (GIVE False: the caller keeps it
+    for its next wgmma group)."""
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     vs = it % V_STAGES
@@ -354,7 +358,8 @@ def _pv_tile(
     mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
     _turn_wait(TURN)
     acc = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-    _turn_pass(TURN)
+    if GIVE:
+        _turn_pass(TURN)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     _release_kv(k_empty, v_empty, it, STAGES, V_STAGES, EARLY_K_RELEASE)
     return acc
@@ -373,8 +378,10 @@ def _attend(
     EARLY_K_RELEASE: a K slot is released right after its QK^T (else with the V slot, after
     P.V), so the producer refills it during the softmax and P.V. OVERLAP (FA3's intra-warpgroup
     overlap): tile j's QK^T and tile j-1's P.V are issued back to back, and tile j's softmax
-    runs while that P.V is on the tensor cores (``_attend_overlapped``); TURN (PINGPONG, with
-    OVERLAP): the two consumers take turns to issue their wgmma groups."""
+    runs while that P.V is on the tensor cores (``_attend_overlapped``). TURN (PINGPONG): the
+    two consumers take turns to issue their wgmma groups; here (FA3's schedule without the
+    overlap) a turn is tile j's P.V and tile j + 1's QK^T, so one consumer's softmax runs while
+    the other's two wgmmas hold the tensor cores."""
     if OVERLAP:
         return _attend_overlapped(
             it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
@@ -382,16 +389,19 @@ def _attend(
             V_STAGES, EARLY_K_RELEASE, HAS_WINDOW, HAS_SOFTCAP, TURN)  # fmt: skip
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
+    _turn_wait(TURN)  # the first QK^T's turn (an item without tiles passes it on below)
     for j in range(n_tiles):
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
-        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE)
+        qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE, TURN,
+                      False)  # fmt: skip
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
         p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
         acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
-                       V_STAGES, EARLY_K_RELEASE)  # fmt: skip
+                       V_STAGES, EARLY_K_RELEASE, TURN, False)  # fmt: skip
         it += 1
+    _turn_pass(TURN)
     return acc, m_i, l_i, it
 
 
@@ -560,12 +570,12 @@ def _consumer(
     (``o_desc``, rows past the sequence clipped by the descriptor) instead of per-thread
     stores; the Q tile is released once the copy engine has read it. CROSS_ITEM (with OVERLAP
     and 2 Q slots): the overlapped loop carried across items, the next item's first softmax
-    during this item's last P.V (``_consumer_crossed``). PINGPONG (with OVERLAP; FA3's
-    inter-warpgroup schedule): the two consumers take turns to issue their wgmma groups
+    during this item's last P.V (``_consumer_crossed``). PINGPONG (FA3's inter-warpgroup
+    schedule): the two consumers take turns to issue their wgmma groups
     (``_turn_wait``), consumer 0 first; both issue the same number of groups (the same items
     and tiles), and consumer 0 takes the turn that consumer 1's last group passes it at the
     end, so every named-barrier arrival is matched."""
-    TURN: gl.constexpr = _turn_of(WG, PINGPONG and OVERLAP)
+    TURN: gl.constexpr = _turn_of(WG, PINGPONG)
     if TURN == 1:
         _turn_pass(TURN)  # consumer 0 goes first
     if CROSS_ITEM:
@@ -785,7 +795,7 @@ def gqa_prefill_gluon_kernel(
     EPILOGUE_TMA: gl.constexpr,  # ... and out by one TMA store (see _consumer)
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
     CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (_consumer_crossed)
-    PINGPONG: gl.constexpr = False,  # with OVERLAP: consumers alternate wgmma issue (_consumer)
+    PINGPONG: gl.constexpr = False,  # the consumers alternate wgmma issue (_consumer)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
