@@ -125,6 +125,12 @@ def memory_ops(sass: str) -> Counter:
     return Counter(re.findall(r"\b((?:LDG|STG|LDS|STS|LDSM|LDGSTS|LDL|STL|BAR)[A-Z0-9._]*)", sass))
 
 
+def named_barriers(sass: str) -> dict:
+    """{"<SYNC|ARV> <id>/<threads or all>": count} of the kernel's named-barrier instructions."""
+    found = re.findall(r"BAR\.(SYNC|ARV)\S* (0x[0-9a-f]+)(?:, (0x[0-9a-f]+))?", sass)
+    return dict(Counter(f"{op} {int(i, 16)}/{int(n, 16) if n else 'all'}" for op, i, n in found))
+
+
 def _presets(cache: str):
     from gluon_wgmma_probe import wgmma_paths_kernel
     from longattn._triton_merge import merge_splits_kernel
@@ -270,6 +276,8 @@ def main(argv=None):
                     # all waits: one per HGMMA where ptxas serialized the wgmmas (C7512)
                     hgmma_waits=len(re.findall(r"WARPGROUP\.DEPBAR", res["sass"])),
                     clock_reads=len(re.findall(r"SR_CLOCKLO", res["sass"])),
+                    # named barriers: "SYNC 14/256" -> count (id / thread count; all: no count)
+                    barriers=named_barriers(res["sass"]),
                 )
             )
         )

@@ -1045,8 +1045,10 @@ def test_prefill_gluon_config_short_items():
     1 V slot, early K release, TMA output stores), which fits shared memory as it is; longer or
     unknown lengths keep 2 + 2 K / V slots without them. H=128 keeps 2 + 2 slots, releases K
     early, and overlaps the softmax with P.V past GLUON_OVERLAP_MIN_TOTAL keys (or unknown),
-    carried across items (CROSS_ITEM); H=64 (where the overlap measured slower) keeps the plain
-    build. Nowhere else do OVERLAP or CROSS_ITEM run."""
+    carried across items (CROSS_ITEM), and its two consumers take turns to issue their wgmma
+    groups at every length (PINGPONG); H=64 (where the overlap measured slower) keeps the plain
+    build. Nowhere else do OVERLAP, CROSS_ITEM or PINGPONG run (H=256: PINGPONG measured 8%
+    slower)."""
     short = launch.prefill_gluon_config(256, launch.GLUON_SHORT_TOTAL)
     assert (short["Q_SLOTS"], short["STAGES"], short["V_STAGES"]) == (2, 2, 1)
     assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"] and not short["OVERLAP"]
@@ -1054,7 +1056,8 @@ def test_prefill_gluon_config_short_items():
     for head, total in ((256, launch.GLUON_SHORT_TOTAL + 1), (256, 0), (64, 2048), (64, 0)):
         cfg = launch.prefill_gluon_config(head, total)
         assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
-        assert not cfg["OVERLAP"] and not cfg["CROSS_ITEM"]
+        assert not cfg["OVERLAP"] and not cfg["CROSS_ITEM"] and not cfg["PINGPONG"]
+    assert not short["PINGPONG"]
     edge = launch.GLUON_OVERLAP_MIN_TOTAL
     for total, overlap in (
         (2048, False),
@@ -1066,7 +1069,7 @@ def test_prefill_gluon_config_short_items():
         cfg = launch.prefill_gluon_config(128, total)
         assert (cfg["Q_SLOTS"], cfg["STAGES"], cfg["V_STAGES"]) == (2, 2, 2)
         assert cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"] and cfg["OVERLAP"] == overlap
-        assert cfg["CROSS_ITEM"] == overlap
+        assert cfg["CROSS_ITEM"] == overlap and cfg["PINGPONG"]
 
 
 def test_prefill_item_keys():

@@ -168,15 +168,17 @@ def test_prefill_gluon_overlap_waits_for_the_older_wgmma_group_first():
 
 def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     """``CROSS_ITEM`` (the overlapped loop carried across items, the next item's first softmax
-    during this item's last P.V; the H=128 default past 4096 keys). ptxas serializes every
+    during this item's last P.V; with PINGPONG the H=128 default past 4096 keys). ptxas serializes every
     wgmma of the kernel (one wait per HGMMA: C7512 short of registers, C7513 a wgmma's register
     operand written while one is in flight) as the first versions did: the next QK^T live
     through the whole epilogue, issue and wait in different branches, P rounded to 16 bits
     during a P.V, the P.V's operands built after the QK^T's issue. The build keeps one wait per
     group (five per consumer, two consumers), the overlapped waits, little stack, and a tile
-    loop without local memory and no longer than the overlapped build's (857 instructions)."""
+    loop without local memory and no longer than the overlapped build's (session 41: 739 vs
+    747 instructions)."""
     over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
-    cross = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True,CROSS_ITEM=True")
+    cross = _sass("gqa-prefill-gluon", "--set",
+                  "OVERLAP=True,EARLY_K_RELEASE=True,CROSS_ITEM=True,PINGPONG=True")  # fmt: skip
     assert over["hgmma_waits"] <= 8, over
     assert cross["hist"]["HGMMA"] == 80 and cross["hgmma_waits"] <= 10, cross["hist"]
     assert cross["hgmma_wait1"] >= 4 and cross["stack"] <= 16, cross
@@ -184,6 +186,27 @@ def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
     assert sum(tile.values()) <= sum(over_tile.values()), (tile, over_tile)
     assert cross["regs"] == 168, cross["regs"]
+
+
+@pytest.mark.parametrize("keys, waits", [(2048, 4), (8192, 10)])
+def test_prefill_gluon_pingpong_turns_use_their_own_named_barriers(keys, waits):
+    """PINGPONG (the H=128 default: FA3's inter-warpgroup schedule): a consumer waits for its turn
+    with ``bar.sync 14 + WG, 256`` and passes it with ``bar.arrive 15 - WG, 256``; Triton's own
+    barriers (the CTA's, and each consumer warpgroup's 128-thread one) must keep other ids, or a
+    warpgroup barrier would complete on the other consumer's turn arrivals. The turns leave
+    ptxas' wgmma pipelining alone (one wait per group: 2 per consumer in the plain build, 5 in
+    the crossed one)."""
+    from longattn.gqa.triton import launch
+
+    cfg = launch.fit_prefill_gluon_smem(launch.prefill_gluon_config(128, keys), 128, 2)
+    keys_set = ("EARLY_K_RELEASE", "OVERLAP", "CROSS_ITEM", "PINGPONG")
+    res = _sass("gqa-prefill-gluon", "--set", ",".join(f"{k}={cfg[k]}" for k in keys_set))
+    bars = res["barriers"]
+    assert cfg["PINGPONG"] and res["hgmma_waits"] == waits, (cfg, res["hgmma_waits"])
+    for op in ("SYNC", "ARV"):
+        assert all(bars.get(f"{op} {i}/256", 0) > 0 for i in (14, 15)), bars
+    others = [k for k in bars if not k.endswith("/256")]
+    assert others and all(int(k.split()[1].split("/")[0]) < 14 for k in others), bars
 
 
 @pytest.mark.parametrize("sets", ["HEAD=64", "HEAD=128", "HEAD=128,HAS_WINDOW=True"])
@@ -209,7 +232,7 @@ def test_prefill_gluon_default_builds_keep_the_wgmmas_asynchronous(head, keys):
 
     cfg = launch.fit_prefill_gluon_smem(launch.prefill_gluon_config(head, keys), head, 2)
     keys_set = ("BLOCK_N", "STAGES", "V_STAGES", "EARLY_K_RELEASE", "Q_SLOTS", "EPILOGUE_SMEM",
-                "EPILOGUE_TMA", "OVERLAP", "CROSS_ITEM")  # fmt: skip
+                "EPILOGUE_TMA", "OVERLAP", "CROSS_ITEM", "PINGPONG")  # fmt: skip
     sets = ",".join([f"HEAD={head}"] + [f"{k}={cfg[k]}" for k in keys_set])
     res = _sass("gqa-prefill-gluon", "--set", sets)
     assert not cfg["OVERLAP"] and res["hist"]["HGMMA"] >= 24, (cfg, res["hist"])

@@ -329,7 +329,21 @@ GLUON_SHORT_TOTAL = 8192
 # 15017.7, 15158.8 -> 14783.5, 15260.1 -> 14994.8, 14964.7 -> 14812.3 (0 / -2.5 / -1.7 / -1.0%);
 # S=2K (not used there), the plain early-K default -> CROSS_ITEM: 580.9 -> 607.0 (+4.5%: the
 # overlap's loss on short items is not at their ends).
+# Session 41 (H100, same process, 7 / 11 / 11 rounds, ``prefill_gluon_mask_pp{,_run2}_session41_
+# h100.json``, ``prefill_gluon_pp_run3_session41_h100.json``): with PINGPONG on both sides the
+# bound still splits the two loops: at S=4K the plain loop 1000.9 / 1005.6 us vs CROSS_ITEM
+# 1026.4 (run 3); at S=32K CROSS_ITEM 14542.0 / 14581.2 vs the plain loop 15003.5 / 14732.9.
 GLUON_OVERLAP_MIN_TOTAL = 4096
+
+# H=128 takes PINGPONG (FA3's inter-warpgroup schedule) at every length. H100, same process,
+# median us, three runs (7 / 11 / 11 interleaved rounds; ``prefill_gluon_mask_pp{,_run2}_
+# session41_h100.json``, ``prefill_gluon_pp_run3_session41_h100.json``): the plain early-K loop
+# without -> with: S=2K 568.4 -> 554.3, 564.0 -> 560.4, 563.7 -> 563.6 (-2.5 / -0.6 / 0%), S=4K
+# 1029.0 -> 1000.9, 1029.5 -> 1005.6 (-2.7 / -2.3%), S=8K 1926.2 -> 1896.7, 1945.4 -> 1914.5; the
+# crossed loop without -> with: S=8K 1947.3 -> 1921.1, 1921.2 (the default) -> 1908.6 (-1.3 /
+# -0.7%), S=16K 3703.8 -> 3668.8 (-0.9%), S=32K 14500.3 -> 14542.0, 14576.6 -> 14581.2 (+0.3 /
+# 0%). H=256 (its plain short-item build, run 1): +8.3 / +7.8% at S=2K / 8K; H=64: +0.6 / +2.6%:
+# both keep it off.
 
 
 def prefill_item_keys(total: int, window: int, rows: int = 128) -> int:
@@ -370,10 +384,14 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     - CROSS_ITEM (with OVERLAP and 2 Q pairs, else off): the overlapped loop carried across
       items, the next item's first softmax during this item's last P.V
       (``prefill_gluon._consumer_crossed``; the H=128 default with OVERLAP).
+    - PINGPONG: FA3's inter-warpgroup schedule, the two consumers take turns to issue their
+      wgmma groups (named barriers; ``prefill_gluon._turn_wait``), so one consumer's softmax
+      runs while the other's wgmmas hold the tensor cores (the H=128 default, both loops).
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
-    softmax with P.V, carried across items (CROSS_ITEM; see there for the measurements).
+    softmax with P.V, carried across items (CROSS_ITEM; see there for the measurements); its
+    consumers take turns at every length (PINGPONG; measurements at the module's comment).
     H = 64 keeps the plain build (session 40, H100: OVERLAP + early K release 7-9% slower at
     S = 2K / 8K / 32K, CROSS_ITEM within -0.4 / +3.7%;
     ``prefill_gluon_overlap_h64_session40_h100.json``). H = 256: 64-key tiles; sequences of
@@ -385,12 +403,13 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
                PERSISTENT=True, DYNAMIC=True, ORDER=2,
-               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=False)  # fmt: skip
+               EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=False,
+               PINGPONG=False)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
     if head == 128:
         overlap = not 0 < max_total <= GLUON_OVERLAP_MIN_TOTAL
-        cfg.update(EARLY_K_RELEASE=True, OVERLAP=overlap, CROSS_ITEM=overlap)
+        cfg.update(EARLY_K_RELEASE=True, OVERLAP=overlap, CROSS_ITEM=overlap, PINGPONG=True)
     return cfg
 
 
