@@ -79,6 +79,12 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # tile j + 1's QK^T
         ("gluon_pp", _gl(PINGPONG=True)),  # the default build of each shape, with ping-pong
         ("gluon_ekr_pp", _gl(EARLY_K_RELEASE=True, OVERLAP=False, PINGPONG=True)),
+        # H=256: the long-item ring shape (2 V slots, so a consumer's turn never waits for the
+        # V slot the other consumer still reads) with ping-pong
+        (
+            "gluon_long_pp",
+            _gl(V_STAGES=2, EARLY_K_RELEASE=False, EPILOGUE_TMA=False, PINGPONG=True),
+        ),  # fmt: skip
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),
