@@ -12,7 +12,8 @@ kernels compute the same sums in the same order; a BLOCK_N change moves bf16 rou
 ``prefill_tma_ab.json`` (kept runs: ``benchmarks/results/prefill_{tma,gluon_ab*}_h200.json``).
 
 ``--ref-src FILE`` times each chosen Gluon variant a second time (``<name>@ref``) with the
-kernel built from another version of ``prefill_gluon.py``, in the same process and rounds:
+kernel built from another version of ``prefill_gluon.py``, in the same process and rounds
+(flags that version lacks are left out of its build, and named in the log):
 
     git show HEAD~1:src/longattn/gqa/triton/prefill_gluon.py > /tmp/ref.py
     PYTHONPATH=src python benchmarks/prefill_tma_ab.py --ref-src /tmp/ref.py --variants gluon
@@ -97,14 +98,35 @@ def variants(h: int) -> list[tuple[str, dict]]:
     return out
 
 
-def _load_ref_kernel(path: str):
-    """``gqa_prefill_gluon_kernel`` built from another version of ``prefill_gluon.py`` (its
+class _RefKernel:
+    """``gqa_prefill_gluon_kernel`` of another ``prefill_gluon.py``, launched as the current
+    launcher launches its own; constexpr flags that source lacks are left out (it builds
+    without them: the session's new options), and named once."""
+
+    def __init__(self, fn):
+        self.fn, self.names, self.told = fn, set(fn.arg_names), set()
+
+    def __getitem__(self, grid):
+        def launch_ref(*args, **kwargs):
+            lacks = {k for k in kwargs if k not in self.names} - self.told
+            if lacks:
+                print(
+                    f"  @ref: the reference source lacks {sorted(lacks)}: built without", flush=True
+                )
+                self.told |= lacks
+            return self.fn[grid](*args, **{k: v for k, v in kwargs.items() if k in self.names})
+
+        return launch_ref
+
+
+def _load_ref_kernel(path: str) -> _RefKernel:
+    """The Gluon prefill kernel built from another version of ``prefill_gluon.py`` (its
     relative imports resolve in the installed package)."""
     spec = importlib.util.spec_from_file_location("longattn.gqa.triton._ref_prefill_gluon", path)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "longattn.gqa.triton"
     spec.loader.exec_module(mod)
-    return mod.gqa_prefill_gluon_kernel
+    return _RefKernel(mod.gqa_prefill_gluon_kernel)
 
 
 def _fn(p, cfg):
