@@ -86,6 +86,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
             "gluon_long_pp",
             _gl(V_STAGES=2, EARLY_K_RELEASE=False, EPILOGUE_TMA=False, PINGPONG=True),
         ),  # fmt: skip
+        # ... or 2 Q pairs, 1 K slot released after QK^T and 2 V slots (224 KiB at H=256)
+        ("gluon_k1v2", _gl(STAGES=1, V_STAGES=2, EARLY_K_RELEASE=True)),
+        ("gluon_k1v2_pp", _gl(STAGES=1, V_STAGES=2, EARLY_K_RELEASE=True, PINGPONG=True)),
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),
