@@ -273,27 +273,28 @@ def _softmax_step(s, unit, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
+@gluon.constexpr_function
+def _turn_ptx(op, barrier):
+    """PTX of a named-barrier ``op`` (sync / arrive) on ``barrier`` for both consumers' 256
+    threads."""
+    return f"bar.{op} {barrier}, 256;"
+
+
 @gluon.jit
 def _turn_wait(TURN: gl.constexpr):
     """PINGPONG (``TURN`` = the consumer's warpgroup, -1 off): wait until the other consumer
-    has issued its last wgmma group (named barrier 14 + TURN, both warpgroups' 256 threads)."""
-    if TURN == 0:
-        gl.inline_asm_elementwise("bar.sync 14, 256;", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
-    elif TURN == 1:
-        gl.inline_asm_elementwise("bar.sync 15, 256;", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
+    has issued its last wgmma group (named barrier 14 + TURN; Triton's own use lower ids)."""
+    if TURN >= 0:
+        gl.inline_asm_elementwise(_turn_ptx("sync", 14 + TURN), "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
 def _turn_pass(TURN: gl.constexpr):
     """PINGPONG: this consumer's wgmma group is issued; the other consumer may issue its own
-    (``bar.arrive`` on the other warpgroup's barrier; see ``_turn_wait``)."""
-    if TURN == 0:
-        gl.inline_asm_elementwise("bar.arrive 15, 256;", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-    elif TURN == 1:
-        gl.inline_asm_elementwise("bar.arrive 14, 256;", "=r", [], dtype=gl.int32,
+    (``bar.arrive`` on the other warpgroup's barrier, 15 - TURN; see ``_turn_wait``)."""
+    if TURN >= 0:
+        gl.inline_asm_elementwise(_turn_ptx("arrive", 15 - TURN), "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
 
 
