@@ -168,14 +168,14 @@ def test_prefill_gluon_overlap_waits_for_the_older_wgmma_group_first():
 
 def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     """``CROSS_ITEM`` (the overlapped loop carried across items, the next item's first softmax
-    during this item's last P.V; with PINGPONG the H=128 default past 4096 keys). ptxas serializes every
-    wgmma of the kernel (one wait per HGMMA: C7512 short of registers, C7513 a wgmma's register
-    operand written while one is in flight) as the first versions did: the next QK^T live
-    through the whole epilogue, issue and wait in different branches, P rounded to 16 bits
-    during a P.V, the P.V's operands built after the QK^T's issue. The build keeps one wait per
-    group (five per consumer, two consumers), the overlapped waits, little stack, and a tile
-    loop without local memory and no longer than the overlapped build's (session 41: 739 vs
-    747 instructions)."""
+    during this item's last P.V; with PINGPONG the H=128 default past 4096 keys). ptxas
+    serializes every wgmma of the kernel (one wait per HGMMA: C7512 short of registers, C7513 a
+    wgmma's register operand written while one is in flight) as the first versions did: the
+    next QK^T live through the whole epilogue, issue and wait in different branches, P rounded
+    to 16 bits during a P.V, the P.V's operands built after the QK^T's issue. The build keeps
+    one wait per group (five per consumer, two consumers), the overlapped waits, little stack,
+    and a tile loop without local memory and no longer than the overlapped build's (session
+    41: 739 vs 747 instructions)."""
     over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
     cross = _sass("gqa-prefill-gluon", "--set",
                   "OVERLAP=True,EARLY_K_RELEASE=True,CROSS_ITEM=True,PINGPONG=True")  # fmt: skip
