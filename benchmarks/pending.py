@@ -78,9 +78,9 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
             "--seqs",
             "2048,4096,8192,32768",
             "--variants",
-            "gluon,gluon_long,gluon_pp,gluon_long_pp,gluon_k1v2,gluon_k1v2_pp",
+            "gluon,gluon_long,gluon_pp,gluon_long_pp,gluon_k1v2,gluon_k1v2_pp,gluon_bn128,gluon_bn128_pp",
         ],
-        "H=256 ring shapes with and without ping-pong (GLUON_SHORT_TOTAL bound)",
+        "H=256 ring shapes and 128-key tiles, with and without ping-pong",
     ),
     "tests_k_shift": (
         40,

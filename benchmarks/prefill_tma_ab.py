@@ -89,6 +89,14 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # ... or 2 Q pairs, 1 K slot released after QK^T and 2 V slots (224 KiB at H=256)
         ("gluon_k1v2", _gl(STAGES=1, V_STAGES=2, EARLY_K_RELEASE=True)),
         ("gluon_k1v2_pp", _gl(STAGES=1, V_STAGES=2, EARLY_K_RELEASE=True, PINGPONG=True)),
+        # H=256 with cuDNN's 128-key tiles: one K slot (released after QK^T) and one V slot,
+        # one Q pair (192 KiB); sm_90 SASS: 834 instructions per 128 keys (two 64-key tiles:
+        # 1190) but ~70 local loads of hoisted wgmma descriptors per tile (never timed before)
+        ("gluon_bn128", _gl(BLOCK_N=128, STAGES=1, V_STAGES=1, EARLY_K_RELEASE=True)),
+        (
+            "gluon_bn128_pp",
+            _gl(BLOCK_N=128, STAGES=1, V_STAGES=1, EARLY_K_RELEASE=True, PINGPONG=True),
+        ),  # fmt: skip
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),

@@ -942,6 +942,7 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "cross_item_late_k",
         "cross_item_tma",
         "pingpong",
+        "bn128_k1v1_pingpong",
         "overlap_pingpong",
         "cross_item_pingpong",
     ],
@@ -976,6 +977,9 @@ def test_prefill_gluon_gpu(name, variant, device):
                                     EPILOGUE_TMA=True),
                 # the two consumers take turns to issue their wgmma groups (session 41)
                 pingpong=dict(PINGPONG=True),
+                # 128-key tiles at every head size (H=256: 1 K + 1 V slot, 1 Q pair)
+                bn128_k1v1_pingpong=dict(BLOCK_N=128, STAGES=1, V_STAGES=1,
+                                         EARLY_K_RELEASE=True, PINGPONG=True),
                 overlap_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, PINGPONG=True),
                 cross_item_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
                                          PINGPONG=True))[variant]  # fmt: skip
