@@ -51,7 +51,7 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
             "--seqs",
             "2048,4096,8192,32768",
             "--variants",
-            "gluon,gluon_ekr,gluon_cross,gluon_ekr_pp",
+            "gluon,gluon_nopp,gluon_ekr,gluon_ekr_pp,gluon_cross",
             "--ref-src",
             "{ref}",
         ],

@@ -54,7 +54,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ("gluon_epi_4byte", _gl(EPILOGUE_SMEM=False)),  # 4-byte stores from the accumulator
         # K slots refilled after QK^T (separate K / V rings); with 2 Q slots at H=256 the V
         # ring keeps one slot (Q 128 KiB + K 64 + V 32 fits 227 KiB)
-        ("gluon_ekr", _gl(EARLY_K_RELEASE=True, OVERLAP=False)),
+        # (the builds named after a session pin PINGPONG off, the H=128 default since session 41;
+        # their *_pp twins turn it on)
+        ("gluon_ekr", _gl(EARLY_K_RELEASE=True, OVERLAP=False, PINGPONG=False)),
         ("gluon_ekr_k3v2", _gl(EARLY_K_RELEASE=True, STAGES=3, V_STAGES=2)),  # H=256: 1 Q slot
         ("gluon_ekr_q2k2v1", _gl(EARLY_K_RELEASE=True, Q_SLOTS=2, STAGES=2, V_STAGES=1)),
         ("gluon_q2k2v1", _gl(Q_SLOTS=2, STAGES=2, V_STAGES=1)),
@@ -69,16 +71,24 @@ def variants(h: int) -> list[tuple[str, dict]]:
         ),
         # FA3's intra-warpgroup overlap: tile j's softmax while tile j-1's P.V runs (session
         # 39; sm_90 SASS: no spills in the H=128 tile loop, 23-26 local loads at H=256)
-        ("gluon_overlap", _gl(OVERLAP=True, EARLY_K_RELEASE=False)),
-        ("gluon_plain", _gl(OVERLAP=False, EARLY_K_RELEASE=False)),  # H=128 before session 39
-        ("gluon_overlap_ekr", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False)),  # s39
+        ("gluon_overlap", _gl(OVERLAP=True, EARLY_K_RELEASE=False, PINGPONG=False)),
+        # H=128 before session 39
+        ("gluon_plain", _gl(OVERLAP=False, EARLY_K_RELEASE=False, PINGPONG=False)),
+        (
+            "gluon_overlap_ekr",
+            _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=False),
+        ),  # session 39's H=128 build past 4096 keys
         # ... carried across items: the next item's first softmax during this item's last P.V
         # (session 40; the H=128 default past 4096 keys)
-        ("gluon_cross", _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True)),
+        (
+            "gluon_cross",
+            _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True, PINGPONG=False),
+        ),
         # FA3's inter-warpgroup ping-pong on the overlapped loops: the two consumers take turns
         # to issue their wgmma groups (session 41); the plain loop's turn is tile j's P.V and
         # tile j + 1's QK^T
         ("gluon_pp", _gl(PINGPONG=True)),  # the default build of each shape, with ping-pong
+        ("gluon_nopp", _gl(PINGPONG=False)),  # ... and without (session 40's H=128 default)
         ("gluon_ekr_pp", _gl(EARLY_K_RELEASE=True, OVERLAP=False, PINGPONG=True)),
         # H=256: the long-item ring shape (2 V slots, so a consumer's turn never waits for the
         # V slot the other consumer still reads) with ping-pong
