@@ -28,128 +28,52 @@ REF_COMMIT = "e15af3c"  # session 40's HEAD: the Gluon prefill before the mask a
 REF_SRC = "src/longattn/gqa/triton/prefill_gluon.py"
 _PY = sys.executable
 
+
+def _gpu_tests(selector: str) -> list[str]:
+    """``pytest -m gpu -k selector`` over the GQA Triton tests on 8 workers."""
+    return [_PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-n", "8", "-k",
+            selector, "tests/test_gqa_triton.py"]  # fmt: skip
+
+
+def _gqa_sections(sections: str) -> list[str]:
+    """``bench_gqa.py --sections sections`` into the check's folder."""
+    return [_PY, "benchmarks/bench_gqa.py", "--sections", sections, "--out", "{out}"]
+
+
+def _prefill_ab(heads: int, rounds: int, variants: str, ref: bool = False) -> list[str]:
+    """``prefill_tma_ab.py`` at S = 2K / 4K / 8K / 32K (against the reference source: ``ref``)."""
+    cmd = [_PY, "benchmarks/prefill_tma_ab.py", "--out", "{out}", "--rounds", str(rounds),
+           "--heads", str(heads), "--seqs", "2048,4096,8192,32768", "--variants", variants]  # fmt: skip
+    return cmd + ["--ref-src", "{ref}"] if ref else cmd
+
+
 # name -> (estimated seconds, timeout seconds, command with {out} / {ref} placeholders, what)
 CHECKS: dict[str, tuple[int, int, list[str], str]] = {
-    "gqa_cache": (
-        75,
-        150,
-        [_PY, "benchmarks/bench_gqa.py", "--sections", "cache", "--out", "{out}"],
-        "int8 decode options (V_PAIRS / K_PAIRS / K_SHIFT / V_SHIFT rows; issue 3's 1.7x goal)",
-    ),
-    "prefill_ab": (
-        60,
-        150,
-        [
-            _PY,
-            "benchmarks/prefill_tma_ab.py",
-            "--out",
-            "{out}",
-            "--rounds",
-            "9",
-            "--heads",
-            "128",
-            "--seqs",
-            "2048,4096,8192,32768",
-            "--variants",
-            "gluon,gluon_nopp,gluon_ekr,gluon_ekr_pp,gluon_cross",
-            "--ref-src",
-            "{ref}",
-        ],
-        "H=128 defaults (mask, PINGPONG, CROSS_ITEM) vs the session-40 source",
-    ),
-    "prefill": (
-        15,
-        60,
-        [_PY, "benchmarks/bench_gqa.py", "--sections", "prefill", "--out", "{out}"],
-        "prefill vs cuDNN / flash SDPA (issue 3's table)",
-    ),
-    "prefill_h256": (
-        70,
-        150,
-        [
-            _PY,
-            "benchmarks/prefill_tma_ab.py",
-            "--out",
-            "{out}",
-            "--rounds",
-            "7",
-            "--heads",
-            "256",
-            "--seqs",
-            "2048,4096,8192,32768",
-            "--variants",
-            "gluon,gluon_long,gluon_pp,gluon_long_pp,gluon_k1v2,gluon_k1v2_pp,gluon_bn128,gluon_bn128_pp",
-        ],
-        "H=256 ring shapes and 128-key tiles, with and without ping-pong",
-    ),
-    "tests_k_shift": (
-        40,
-        120,
-        [
-            _PY,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "8",
-            "-k",
-            "k_shift",
-            "tests/test_gqa_triton.py",
-        ],
-        "GPU tests of the int8 K_SHIFT / V_SHIFT builds",
-    ),
-    "tests_prefill": (
-        150,
-        280,
-        [
-            _PY,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "8",
-            "-k",
-            "prefill_gluon",
-            "tests/test_gqa_triton.py",
-        ],
-        "GPU tests of the Gluon prefill (112 passed on the H100, session 41)",
-    ),
-    "gqa_decode": (
-        90,
-        200,
-        [_PY, "benchmarks/bench_gqa.py", "--sections", "decode", "--out", "{out}"],
-        "GQA decode vs copy bandwidth and SDPA (B=1 T=32K: 81% chained vs the 90% goal)",
-    ),
+    "gqa_cache": (75, 150, _gqa_sections("cache"),
+                  "int8 decode options (V_PAIRS / K_PAIRS / K_SHIFT / V_SHIFT rows; issue 3's 1.7x "
+                  "goal)"),
+    "prefill_ab": (60, 150, _prefill_ab(128, 9, "gluon,gluon_nopp,gluon_ekr,gluon_ekr_pp,"
+                                                "gluon_cross", ref=True),
+                   "H=128 defaults (mask, PINGPONG, CROSS_ITEM) vs the session-40 source"),
+    "prefill": (15, 60, _gqa_sections("prefill"), "prefill vs cuDNN / flash SDPA (issue 3's table)"),
+    "prefill_h256": (70, 150, _prefill_ab(256, 7, "gluon,gluon_long,gluon_pp,gluon_long_pp,"
+                                                  "gluon_k1v2,gluon_k1v2_pp,gluon_bn128,"
+                                                  "gluon_bn128_pp"),
+                     "H=256 ring shapes and 128-key tiles, with and without ping-pong"),
+    "tests_k_shift": (40, 120, _gpu_tests("k_shift"),
+                      "GPU tests of the int8 K_SHIFT / V_SHIFT builds"),
+    "tests_prefill": (150, 280, _gpu_tests("prefill_gluon"),
+                      "GPU tests of the Gluon prefill (112 passed on the H100, session 41)"),
+    "gqa_decode": (90, 200, _gqa_sections("decode"),
+                   "GQA decode vs copy bandwidth and SDPA (B=1 T=32K: 81% chained vs the 90% goal)"),
     "sparse_layer": (
-        150,
-        300,
-        [
-            _PY,
-            "benchmarks/bench_sparse.py",
-            "--sections",
-            "layer,cache",
-            "--B",
-            "1,4",
-            "--S",
-            "8,1",
-            "--T",
-            "131072,262144",
-            "--variants",
-            "prefetch,tiles_any_rows,again",
-            "--out",
-            "{out}",
-        ],
+        150, 300,
+        [_PY, "benchmarks/bench_sparse.py", "--sections", "layer,cache", "--B", "1,4", "--S",
+         "8,1", "--T", "131072,262144", "--variants", "prefetch,tiles_any_rows,again",
+         "--out", "{out}"],
         "session-34 sparse defaults (PREFETCH, groups floor) and the layer table's rows",
     ),
-}
+}  # fmt: skip
 
 
 def _ref_source(out: Path, given: str) -> str:
