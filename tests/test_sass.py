@@ -142,11 +142,12 @@ def test_prefill_gluon_short_item_shape_compiles():
     assert all(c.get("LDL", 0) + c.get("STL", 0) <= 8 for c in tile_loops), tile_loops
 
 
-def _h128_tile_loop(res: dict) -> dict:
-    """The smallest loop of an H=128 Gluon prefill build holding one tile's two wgmma groups
-    (QK^T 8 + P.V 8 HGMMA) and its softmax (64 exp2 per thread); loops that close over more
-    code (the item loop, a wait loop's branch back) hold more of either."""
-    tiles = [c for c in res["loops"] if c.get("HGMMA") == 16 and 64 <= c.get("MUFU", 0) < 128]
+def _tile_loop(res: dict, hgmma: int = 16) -> dict:
+    """The smallest loop of a Gluon prefill build holding one tile's two wgmma groups (H=128:
+    QK^T 8 + P.V 8 HGMMA; ``hgmma`` 12 at H=64: 4 + 8) and its softmax (64 exp2 per thread at
+    BLOCK_N 128); loops that close over more code (the item loop, a wait loop's branch back)
+    hold more of either."""
+    tiles = [c for c in res["loops"] if c.get("HGMMA") == hgmma and 64 <= c.get("MUFU", 0) < 128]
     assert tiles, res["loops"]
     return min(tiles, key=lambda c: sum(c.values()))
 
@@ -161,7 +162,7 @@ def test_prefill_gluon_overlap_waits_for_the_older_wgmma_group_first():
     loop in registers (next test)."""
     over = _sass("gqa-prefill-gluon", "--set", "OVERLAP=True,EARLY_K_RELEASE=True")
     plain = _sass("gqa-prefill-gluon", "--set", "OVERLAP=False,EARLY_K_RELEASE=True")
-    tile = _h128_tile_loop(over)
+    tile = _tile_loop(over)
     assert tile["HGMMA"] == 16 and over["regs"] == 168, (tile, over["regs"])
     assert over["hgmma_wait1"] > 0 == plain["hgmma_wait1"], (over, plain)
 
@@ -182,7 +183,7 @@ def test_prefill_gluon_cross_item_keeps_the_wgmmas_asynchronous():
     assert over["hgmma_waits"] <= 8, over
     assert cross["hist"]["HGMMA"] == 80 and cross["hgmma_waits"] <= 10, cross["hist"]
     assert cross["hgmma_wait1"] >= 4 and cross["stack"] <= 16, cross
-    tile, over_tile = _h128_tile_loop(cross), _h128_tile_loop(over)
+    tile, over_tile = _tile_loop(cross), _tile_loop(over)
     assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
     assert sum(tile.values()) <= sum(over_tile.values()), (tile, over_tile)
     assert cross["regs"] == 168, cross["regs"]
@@ -209,15 +210,16 @@ def test_prefill_gluon_pingpong_turns_use_their_own_named_barriers(keys, waits):
     assert others and all(int(k.split()[1].split("/")[0]) < 14 for k in others), bars
 
 
-@pytest.mark.parametrize("sets", ["HEAD=64", "HEAD=128", "HEAD=128,HAS_WINDOW=True"])
-def test_prefill_gluon_mask_takes_one_compare_and_one_select_per_logit(sets):
+@pytest.mark.parametrize(
+    "sets, hgmma", [("HEAD=64", 12), ("HEAD=128", 16), ("HEAD=128,HAS_WINDOW=True", 16)]
+)
+def test_prefill_gluon_mask_takes_one_compare_and_one_select_per_logit(sets, hgmma):
     """The causal / window / shifted-tile mask of a tile (``prefill_gluon._logits``) is one
     unsigned compare of ``key - first`` with the row's span of visible keys and one select per
     logit (64 per thread at BLOCK_N 128); the two-sided form before session 41 took two of
     each (tile loop 804 -> 713 instructions at H=128)."""
     res = _sass("gqa-prefill-gluon", "--set", f"EARLY_K_RELEASE=True,{sets}")
-    tile = min((c for c in res["loops"] if c.get("HGMMA", 0) >= 12 and 64 <= c.get("MUFU", 0) < 128),
-               key=lambda c: sum(c.values()))  # fmt: skip
+    tile = _tile_loop(res, hgmma)
     assert tile["FSEL"] <= 64 + 4 and tile["ISETP"] <= 64 + 8, tile
 
 

@@ -416,15 +416,13 @@ def _attend_overlapped(
 ):  # fmt: skip
     """``_attend`` with tile j's QK^T issued before tile j-1's P.V, and tile j's logits and
     softmax computed while that P.V runs (``_overlap_tiles``); the last tile's P.V follows."""
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     acc, m_i, l_i, s_zero = _attend_init(HEAD, BLOCK_N)
     if n_tiles > 0:
         # tile 0: QK^T and softmax (its P.V is issued with tile 1's QK^T)
         qk = _qk_tile(q, k_smem, k_ready, k_empty, it, s_zero, STAGES, EARLY_K_RELEASE, TURN)
-        s, unit = _logits(qk, _tile_start(0, kv_lo, kv_hi, n_tiles, BLOCK_N), kv_lo, qpos, r_lo,
-                          r_hi, window, qk_scale, softcap_mult, n_tiles == 1, s_layout, BLOCK_N,
-                          HAS_WINDOW, HAS_SOFTCAP)  # fmt: skip
-        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        p, alpha, m_i, l_i = _first_softmax(qk, m_i, l_i, r_lo, kv_lo, kv_hi, n_tiles, window,
+                                            qk_scale, softcap_mult, BLOCK_N, HAS_WINDOW,
+                                            HAS_SOFTCAP)  # fmt: skip
         acc, p, alpha, m_i, l_i, it = _overlap_tiles(
             acc, p, alpha, m_i, l_i, s_zero, it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles,
             window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
