@@ -584,49 +584,29 @@ def _consumer(
             v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
             HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA,
             TURN)  # fmt: skip
-    else:
-        _consumer_items(
-            WG, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
-            softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
-            v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA,
-            OVERLAP, TURN)  # fmt: skip
+    else:  # one item after another: its tiles (``_attend``), then its epilogue
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
+        it = 0
+        item = 0
+        b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
+        while b >= 0:
+            offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
+                total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
+            r0 = m0 + WG * ROWS_PER_WG
+            qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=gl.SliceLayout(1, s_layout))
+            qs = item % Q_SLOTS
+            acc, m_i, l_i, it = _attend(
+                it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
+                kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready,
+                v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE,
+                HAS_WINDOW, HAS_SOFTCAP, OVERLAP, TURN)  # fmt: skip
+            _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
+                      stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
+                      EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
+            item += 1
+            b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
     if TURN == 0:
         _turn_wait(TURN)  # consumer 1's last pass
-
-
-@gluon.jit
-def _consumer_items(
-    WG: gl.constexpr, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
-    softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready, v_ready, k_empty,
-    v_empty, HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr, Q_SLOTS: gl.constexpr,
-    IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr, EPILOGUE_SMEM: gl.constexpr,
-    EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr, TURN: gl.constexpr,
-):  # fmt: skip
-    """``_consumer``, one item after another: its tiles (``_attend``), then its epilogue."""
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    it = 0
-    item = 0
-    b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
-    while b >= 0:
-        offset, rows_valid, kv_lo, kv_hi, n_tiles = _item_keys(
-            total_len, m0, seq_len, window, BLOCK_N, IS_FIRST_PROMPT, HAS_WINDOW)  # fmt: skip
-        r0 = m0 + WG * ROWS_PER_WG
-        qpos = offset + r0 + gl.arange(0, ROWS_PER_WG, layout=row_s)  # [64]
-        qs = item % Q_SLOTS
-        acc, m_i, l_i, it = _attend(
-            it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
-            kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready, v_ready,
-            k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE, HAS_WINDOW,
-            HAS_SOFTCAP, OVERLAP, TURN)  # fmt: skip
-        _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
-                  stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
-                  EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
-        item += 1
-        b, n, m0, total_len = _take(info, q_bar, item, Q_SLOTS, 4)
 
 
 @gluon.jit
