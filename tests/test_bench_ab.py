@@ -189,3 +189,33 @@ def test_layer_merge_4w_variant_reaches_the_merge_launch():
     with bench_sparse._variant(*bench_sparse._VARIANTS["merge_4w"]):
         assert _triton_merge.merge_launch(256, 128) == (64, 4)
     assert _triton_merge.MERGE_ONE_WARP_FROM == 64
+
+
+def test_prefill_ab_ref_src_builds_the_reference_without_flags_it_lacks(monkeypatch, capsys):
+    """prefill_tma_ab --ref-src: the reference kernel gets the launcher's arguments less the
+    flags its source lacks (named once), and the variant leaves the module's own kernel in
+    place after each call."""
+    import prefill_tma_ab
+    from longattn.gqa.triton import prefill_gluon
+
+    calls = []
+
+    class FakeKernel:
+        arg_names = ["q_desc", "BLOCK_N", "OVERLAP"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    ref = prefill_tma_ab._RefKernel(FakeKernel())
+    for _ in range(2):
+        ref[(4,)]("q", BLOCK_N=128, OVERLAP=True, PINGPONG=True)
+    assert calls == [((4,), ("q",), dict(BLOCK_N=128, OVERLAP=True))] * 2
+    assert capsys.readouterr().out.count("lacks ['PINGPONG']") == 1
+
+    own = prefill_gluon.gqa_prefill_gluon_kernel
+    seen = []
+    monkeypatch.setattr(prefill_tma_ab.launch, "run_prefill_gluon",
+                        lambda *a: seen.append(prefill_gluon.gqa_prefill_gluon_kernel))  # fmt: skip
+    fn = prefill_tma_ab._fn(SimpleNamespace(), dict(_GLUON=True, _KERNEL=ref, OVERLAP=True))
+    fn(None, None, None, None, None)
+    assert seen == [ref] and prefill_gluon.gqa_prefill_gluon_kernel is own
