@@ -7,6 +7,9 @@
   interleaved (default, unfused, default, unfused), as one-call CUDA graphs and as
   chained graphs of 4 steps over distinct caches: bf16 cache at B in {1, 8, 32} x T in {4K,
   32K, 128K}, int8 cache at T = 128K.
+- ``gqa_prefetch``: the same shapes, default vs ``PREFETCH_TILES`` 3 and 8 (bench_gqa's
+  ``prefetch3`` / ``prefetch8``: each split part's first tiles asked of the L2 before the
+  fused Q prologue), interleaved twice, one-call graphs and chains.
 - ``gqa_waves``: GQA bf16 decode (same geometry) at the shapes whose work is about one or two
   waves of split programs (B=1 T=4K/32K, B=8 T=4K, B=32 T=4K, B=8 T=32K): the default config
   and split count vs split-kernel configs whose shared memory holds 2-3 CTAs per SM and vs
@@ -47,26 +50,31 @@ from _harness import copies_for_l2, gpu_meta, write_results  # noqa: E402
 DSA_VARIANTS = tuple(sparse._CACHE_VARIANTS)
 
 
-def gqa_fused_rows(quick: bool) -> list[dict]:
+def gqa_variant_rows(section: str, variants: tuple[str, ...], quick: bool) -> list[dict]:
+    """The default decode vs each of ``variants`` (``bench_gqa.DECODE_VARIANTS``), interleaved
+    twice, as one-call graphs and chains, at bf16 B x T {1, 8, 32} x {4K, 32K, 128K} and int8
+    T=128K (``quick``: B=1 only); ``default_<kind>_speedup_vs_<variant>`` = the variant's best
+    time over the default's (> 1: the default is faster)."""
     rows = []
     shapes = [(torch.bfloat16, b, t) for b in ((1,) if quick else (1, 8, 32))
               for t in (4096, 32768, 131072)]  # fmt: skip
     shapes += [(torch.int8, b, 131072) for b in ((1,) if quick else (1, 8, 32))]
     for dt, b, t in shapes:
         sets, p = gqa._decode_sets(b, t, dt, gqa._decode_set_count(b, t, dt.itemsize))
-        fns = {"default": gqa._decode_fn(p),
-               "unfused": gqa._decode_fn(p, gqa._variant_cfg(dt, "unfused", b))}  # fmt: skip
+        fns = {"default": gqa._decode_fn(p)}
+        fns.update({v: gqa._decode_fn(p, gqa._variant_cfg(dt, v, b)) for v in variants})
         chain_sets = gqa._chain_sets(sets, b, t, dt)  # the same caches for every variant
-        row = dict(section="gqa_fused", cache=str(dt).removeprefix("torch."), B=b, T=t)
+        row = dict(section=section, cache=str(dt).removeprefix("torch."), B=b, T=t)
         for rep in (1, 2):
             for name, fn in fns.items():
                 row[f"{name}{rep}_graph_us"] = gqa._graph_time_or_none(fn, sets)
                 row[f"{name}{rep}_chain_us"] = gqa._chain_time_or_none(fn, chain_sets)
         for kind in ("graph", "chain"):
             base = [row[f"default{r}_{kind}_us"] for r in (1, 2)]
-            unfused = [row[f"unfused{r}_{kind}_us"] for r in (1, 2)]
-            if all(base) and all(unfused):
-                row[f"default_{kind}_speedup_vs_unfused"] = min(unfused) / min(base)
+            for v in variants:
+                other = [row[f"{v}{r}_{kind}_us"] for r in (1, 2)]
+                if all(base) and all(other):
+                    row[f"default_{kind}_speedup_vs_{v}"] = min(other) / min(base)
         print(row, flush=True)
         rows.append(row)
         del sets, chain_sets
@@ -229,7 +237,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=1 rows only")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves, gqa_merge")
+    ap.add_argument(
+        "--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves, gqa_merge, gqa_prefetch"
+    )
     ap.add_argument("--wave-shapes", default=None, help="gqa_waves: BxT list, e.g. 32x4096")
     ap.add_argument("--wave-cfgs", default=None, help="gqa_waves: WAVE_CFGS names to run")
     ap.add_argument(
@@ -250,7 +260,9 @@ def main(argv=None) -> int:
         names = args.wave_cfgs.split(",") if args.wave_cfgs else None
         rows += gqa_wave_rows(shapes, names, args.wave_cache)
     if "gqa_fused" in sections:
-        rows += gqa_fused_rows(args.quick)
+        rows += gqa_variant_rows("gqa_fused", ("unfused",), args.quick)
+    if "gqa_prefetch" in sections:
+        rows += gqa_variant_rows("gqa_prefetch", ("prefetch3", "prefetch8"), args.quick)
     if "gqa_merge" in sections:
         rows += gqa_merge_rows(MERGE_SHAPES[:1] if args.quick else MERGE_SHAPES)
     if "dsa_int8" in sections:
