@@ -7,9 +7,6 @@
   interleaved (default, unfused, default, unfused), as one-call CUDA graphs and as
   chained graphs of 4 steps over distinct caches: bf16 cache at B in {1, 8, 32} x T in {4K,
   32K, 128K}, int8 cache at T = 128K.
-- ``gqa_prefetch``: the same shapes, default vs ``PREFETCH_TILES`` 3 and 8 (bench_gqa's
-  ``prefetch3`` / ``prefetch8``: each split part's first tiles asked of the L2 before the
-  fused Q prologue), interleaved twice, one-call graphs and chains.
 - ``gqa_waves``: GQA bf16 decode (same geometry) at the shapes whose work is about one or two
   waves of split programs (B=1 T=4K/32K, B=8 T=4K, B=32 T=4K, B=8 T=32K): the default config
   and split count vs split-kernel configs whose shared memory holds 2-3 CTAs per SM and vs
@@ -237,9 +234,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B=1 rows only")
     ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves, gqa_merge, gqa_prefetch"
-    )
+    ap.add_argument("--sections", default="gqa_fused,dsa_int8", help="also: gqa_waves, gqa_merge")
     ap.add_argument("--wave-shapes", default=None, help="gqa_waves: BxT list, e.g. 32x4096")
     ap.add_argument("--wave-cfgs", default=None, help="gqa_waves: WAVE_CFGS names to run")
     ap.add_argument(
@@ -261,8 +256,6 @@ def main(argv=None) -> int:
         rows += gqa_wave_rows(shapes, names, args.wave_cache)
     if "gqa_fused" in sections:
         rows += gqa_variant_rows("gqa_fused", ("unfused",), args.quick)
-    if "gqa_prefetch" in sections:
-        rows += gqa_variant_rows("gqa_prefetch", ("prefetch3", "prefetch8"), args.quick)
     if "gqa_merge" in sections:
         rows += gqa_merge_rows(MERGE_SHAPES[:1] if args.quick else MERGE_SHAPES)
     if "dsa_int8" in sections:

@@ -280,17 +280,14 @@ def _decode_fn(p, cfg=None, splits=None):
 # per K pair fewer; sm_90 SASS tile loop 741 -> 660 instructions); "kv_shift": V too
 # (V_SHIFT: P.V takes v + 1152, 1152 * l comes off after the tiles; 620), "k_pairs_kv_shift"
 # with K_PAIRS (643 -> 535). 16-bit caches ignore the int8 options, so they time only
-# "unfused" and the prefetches (INT8_ONLY_VARIANTS).
-# "prefetch3" / "prefetch8" (PREFETCH_TILES, an option, session 42): each split part asks the
-# L2 for its first 3 / 8 K and V tiles by two bulk prefetches once its key range is known,
-# before the fused Q prologue's dependent loads and reductions (sm_90 SASS: the first cp.async
-# of the tiles comes ~870 instructions and 15 CTA barriers into the kernel).
+# "unfused" (INT8_ONLY_VARIANTS). "prefetch3" / "prefetch8" (PREFETCH_TILES: each split part
+# asked the L2 for its first 3 / 8 tiles by bulk prefetches before the fused Q prologue) ran
+# in session 42 and were removed (H100, gqa_decode_prefetch_session42_h100.json: B=1 T=4K
+# chained 12.8 -> 13.3 / 13.8 us; DEVELOPERS.md's tuning table).
 DECODE_VARIANTS = {"unfused": dict(FUSE_PROLOGUE=False), "v_bytes": dict(V_PAIRS=False),
                    "k_pairs": dict(K_PAIRS=True), "k_shift": dict(K_SHIFT=True),
                    "kv_shift": dict(K_SHIFT=True, V_SHIFT=True),
-                   "k_pairs_kv_shift": dict(K_PAIRS=True, K_SHIFT=True, V_SHIFT=True),
-                   "prefetch3": dict(PREFETCH_TILES=3),
-                   "prefetch8": dict(PREFETCH_TILES=8)}  # fmt: skip
+                   "k_pairs_kv_shift": dict(K_PAIRS=True, K_SHIFT=True, V_SHIFT=True)}  # fmt: skip
 INT8_ONLY_VARIANTS = ("v_bytes", "k_pairs", "k_shift", "kv_shift", "k_pairs_kv_shift")
 
 

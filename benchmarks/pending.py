@@ -52,10 +52,6 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
     "gqa_cache": (75, 150, _gqa_sections("cache"),
                   "int8 decode options (V_PAIRS / K_PAIRS / K_SHIFT / V_SHIFT rows; issue 3's 1.7x "
                   "goal)"),
-    "gqa_prefetch": (80, 170, [_PY, "benchmarks/ab_decode_options.py", "--sections",
-                               "gqa_prefetch", "--quick", "--out", "{out}"],
-                     "decode PREFETCH_TILES 3 / 8 vs the default, B=1 graphs and chains (the "
-                     "B=1 T=32K 90% goal)"),
     "prefill_ab": (60, 150, _prefill_ab(128, 9, "gluon,gluon_nopp,gluon_ekr,gluon_ekr_pp,"
                                                 "gluon_cross", ref=True),
                    "H=128 defaults (mask, PINGPONG, CROSS_ITEM) vs the session-40 source"),
@@ -64,8 +60,8 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
                                                   "gluon_k1v2,gluon_k1v2_pp,gluon_bn128,"
                                                   "gluon_bn128_pp"),
                      "H=256 ring shapes and 128-key tiles, with and without ping-pong"),
-    "tests_decode": (50, 130, _gpu_tests("k_shift or prefetch_tiles"),
-                     "GPU tests of the int8 K_SHIFT / V_SHIFT and PREFETCH_TILES builds"),
+    "tests_k_shift": (40, 120, _gpu_tests("k_shift"),
+                      "GPU tests of the int8 K_SHIFT / V_SHIFT builds"),
     "tests_prefill": (150, 280, _gpu_tests("prefill_gluon"),
                       "GPU tests of the Gluon prefill (112 passed on the H100, session 41)"),
     "gqa_decode": (90, 200, _gqa_sections("decode"),

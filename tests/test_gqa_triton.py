@@ -652,24 +652,6 @@ def test_wide_flag_must_be_a_bool(flag, device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
-@pytest.mark.parametrize("tiles", [True, -1, 2.0])
-def test_prefetch_tiles_must_be_a_count(tiles, device):
-    """``PREFETCH_TILES`` given as a bool, a negative or a float is a ValueError naming the
-    key; a count is ignored where the caches cannot take the bulk prefetch (here: no TMA on
-    the interpreter / CPU, and rows that do not lie end to end)."""
-    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["sink-window-softcap-int8"],
-                                                   device)  # fmt: skip
-    cfg = dict(launch.decode_config(p.head_size, query.dtype, pk.dtype, True),
-               PREFETCH_TILES=tiles)  # fmt: skip
-    with pytest.raises(ValueError, match=r"cfg\['PREFETCH_TILES'\] must be an int >= 0"):
-        gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
-    assert launch.prefetch_tiles(dict(PREFETCH_TILES=3), pk, pv) == 0  # no TMA here
-    assert launch.prefetch_tiles({}, pk, pv) == 0
-    assert launch.rows_end_to_end(pk) and launch.rows_end_to_end(pk[:, :, 5:])
-    assert not launch.rows_end_to_end(pk[..., ::2])  # strided channels
-    assert not launch.rows_end_to_end(pk[..., : pk.shape[3] // 2])  # rows with gaps
-
-
 def test_balanced_tile_counts_are_not_value_specialized():
     """The compiled kernel (not the interpreter's) leaves tiles_per_pair / total_tiles
     unspecialized: they change with every length, a specialization would recompile."""
@@ -1267,26 +1249,6 @@ def test_decode_int8_k_shift_gpu(name, shift, device, monkeypatch):
     _decode_cfg_with(monkeypatch, K_PAIRS=k_pairs, **SHIFT_FLAGS[shift.removesuffix("-pairs")])
     shifted = _run_and_check(c, device)
     _assert_within_two_roundings_16bit(shifted, plain)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if k.startswith("decode")])
-@pytest.mark.parametrize("tiles", [3, 8])
-def test_decode_prefetch_tiles_gpu(name, tiles, device, monkeypatch):
-    """``PREFETCH_TILES`` (each split part's first tiles asked of the L2 before the Q prologue)
-    is a hint: bitwise the default's output and caches on every real decode shape (ragged
-    lengths, int8 / fp16 caches, window, S=4, balanced grids), within the fp64 tolerance, and
-    the gate turns it on for these contiguous caches."""
-    c = GPU_CASES[name]
-    base = _run_and_check(c, device)
-    got_tiles = []
-    orig = launch.prefetch_tiles
-    monkeypatch.setattr(launch, "prefetch_tiles",
-                        lambda *a: got_tiles.append(orig(*a)) or got_tiles[-1])  # fmt: skip
-    _decode_cfg_with(monkeypatch, PREFETCH_TILES=tiles)
-    got = _run_and_check(c, device)
-    assert got_tiles and all(t == tiles for t in got_tiles), got_tiles
-    assert torch.equal(got, base)
 
 
 @pytest.mark.gpu

@@ -334,26 +334,6 @@ def test_gqa_decode_fused_prologue_keeps_the_unmasked_loop(cache, block_n, stage
         assert fused["stack"] == 0
 
 
-@pytest.mark.parametrize("cache", ["bf16", "i8"])
-def test_gqa_decode_prefetch_leaves_before_the_q_prologue(cache):
-    """``PREFETCH_TILES`` (fused prologue, QK-norm + rotary, the default tiles): one uniform
-    bulk L2 prefetch each for K and V (``UBLKPF.L2``, issued by one warp), before the Q
-    prologue's first CTA barrier and rsqrt, where the tile loop's first ``cp.async``
-    (``LDGSTS``) comes after them; the build without it has none and tile loops of the same
-    length (session 42: 366 / 256 bf16, 930 / 739 int8), no stack either way."""
-    flags = "HAS_QNORM=True,HAS_KNORM=True,HAS_ROTARY=True,ROT_DIM=128,FUSE_PROLOGUE=True"
-    if cache == "i8":
-        flags += ",BLOCK_N=128,V_PAIRS=True"
-    args = ("--cache", cache, "--stages", "3" if cache == "i8" else "4")
-    base = _sass("gqa-decode", "--set", flags, *args)
-    pre = _sass("gqa-decode", "--set", flags + ",PREFETCH_TILES=3", *args)
-    assert "UBLKPF" not in base["hist"] and pre["hist"].get("UBLKPF") == 2, pre["hist"]
-    first = pre["first"]
-    assert first["UBLKPF"] < min(first["BAR"], first["MUFU"]) < first["LDGSTS"], first
-    assert [sum(c.values()) for c in pre["loops"]] == [sum(c.values()) for c in base["loops"]]
-    assert pre["stack"] == base["stack"] == 0, (pre["stack"], base["stack"])
-
-
 @pytest.mark.parametrize("extra", ["", ",TOPK=True,NB_PAD=1024",
                                    ",BLOCK_O=4096,IDS_IN_REGS=False,NB_PAD=4096"])  # fmt: skip
 def test_select_2d_emission_compiles_without_division(extra):

@@ -179,30 +179,6 @@ def sm_clock(dep):
     )
 
 
-# One thread of the program issues a bulk L2 prefetch of [$1, $1 + $2) where $2 > 0 (sm_90
-# ``cp.async.bulk.prefetch.L2``: 16-byte aligned address and size; no data comes back).
-_PREFETCH_L2_ASM = tl.constexpr("""{
-    .reg .pred p;
-    .reg .b32 t;
-    mov.u32 t, %tid.x;
-    setp.eq.u32 p, t, 0;
-    setp.gt.and.s32 p, $2, 0, p;
-    @p cp.async.bulk.prefetch.L2.global [$1], $2;
-    mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask the L2 for ``nbytes`` (int32 scalar, a multiple of 16; <= 0: nothing) of global
-    memory from ``ptr`` (16-byte aligned), by one bulk prefetch of the program's thread 0:
-    the bytes leave DRAM while the program computes, and its later loads of them hit the L2.
-    GPU only (the interpreter has no inline assembly); a hint, so a result never depends on
-    it."""
-    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [ptr, nbytes], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
 # The offset of ``int8_to_fp16``'s exact fp16 before its subtract: ``1024 + t + 128``.
 INT8_SHIFT = tl.constexpr(1152.0)
 

@@ -41,13 +41,7 @@ from ..._triton_prologue import (
     rotary_pos,
     store_new_row,
 )
-from ..._triton_utils import (
-    INT8_SHIFT,
-    cdiv,
-    interleave_channels,
-    prefetch_l2,
-    wait_prior_grids,
-)
+from ..._triton_utils import INT8_SHIFT, cdiv, interleave_channels, wait_prior_grids
 from ._core import (
     causal_window_mask,
     load_int8_pairs,
@@ -193,20 +187,6 @@ def _split_start(offset, window, lo, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_tiles(k_base, v_base, start, end, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TILES: tl.constexpr):  # fmt: skip
-    """``PREFETCH_TILES``: one bulk L2 prefetch each of the K and V rows of the part's first
-    ``TILES`` tiles, keys ``[start, min(end, start + TILES * BLOCK_N))`` (rows of HEAD elements
-    laid end to end: the host gate ``rows_prefetchable``), so their DRAM round trip runs during
-    the Q prologue instead of after it (the pipelined loop issues its first loads only then)."""
-    rows = tl.minimum(end - start, TILES * BLOCK_N)
-    k_bytes = rows * (HEAD * k_base.dtype.element_ty.primitive_bitwidth // 8)
-    v_bytes = rows * (HEAD * v_base.dtype.element_ty.primitive_bitwidth // 8)
-    prefetch_l2(k_base + start.to(tl.int64) * HEAD, k_bytes)
-    prefetch_l2(v_base + start.to(tl.int64) * HEAD, v_bytes)
-
-
-@triton.jit
 def _split_part(
     b, kvh, split, pieces, lo,  # sequence, KV head, part slot, the pair's parts, first key
     # the kernel's arguments (gqa_decode_split_kernel), chunk = the part's keys:
@@ -228,7 +208,6 @@ def _split_part(
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False, K_PAIRS: tl.constexpr = False,
     K_SHIFT: tl.constexpr = False, V_SHIFT: tl.constexpr = False,
-    PREFETCH_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
     kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
@@ -244,12 +223,6 @@ def _split_part(
     row_ok = in_rows & (s_idx < rows_valid)
     qpos = tl.where(row_ok, s_idx + offset, -1)  # rows that must see nothing get qpos -1
 
-    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
-    # the part's key range [start, end) first: it needs only the lengths, so PREFETCH_TILES'
-    # bulk L2 prefetch leaves before the Q prologue's dependent loads and reductions
-    kv_hi = tl.minimum(offset + rows_valid, total_len)
-    start = _split_start(offset, window, lo, HAS_WINDOW)
     if FUSE_PROLOGUE:  # seq_len == 1
         # the prologue's own view of the token: the raw (unclamped) length sets the append row
         raw_qpos = tl.load(seqlens_ptr + b).to(tl.int64)  # total_len - 1
@@ -259,17 +232,6 @@ def _split_part(
         else:
             write = raw_qpos >= 0
         write = write & (raw_qpos < cap)
-        # The new row is folded here (not read from the cache) when it is the last key the
-        # row sees; no tile of any split reads it. (Metadata past max_total: the tiles read
-        # the clamped range as unfused, and the row goes only to the cache.)
-        new_pos = tl.where(write & (raw_qpos == offset) & (rows_valid > 0), raw_qpos, -1)
-        mine = (new_pos >= 0) & (start <= new_pos) & (new_pos < start + chunk)
-        kv_hi = tl.where(new_pos >= 0, new_pos, kv_hi)
-    end = tl.minimum(start + chunk, kv_hi)
-    if PREFETCH_TILES > 0:
-        _prefetch_tiles(k_base, v_base, start, end, HEAD, BLOCK_N, PREFETCH_TILES)
-
-    if FUSE_PROLOGUE:
         rot_pos = rotary_pos(pos_ptr, b64, raw_qpos, stride_pb, max_pos, HAS_POS)
         q, unscale, k_new = fused_q_k(
             xq_ptr, xk_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, ks_ptr, b64, rot_pos, kvh,
@@ -281,6 +243,14 @@ def _split_part(
         if HAS_QSCALE:
             row_scale = unscale[:, None]  # [ROWS_PAD, 1]
         qk_new = new_row_logits(q, k_new, DOT_DTYPE)  # [ROWS_PAD] raw dot products
+        # Folded here (not read from the cache) when it is the last key the row sees; no
+        # tile of any split reads it. (Metadata past max_total: the tiles read the clamped
+        # range as unfused, and the row goes only to the cache.)
+        kv_hi = tl.minimum(offset + rows_valid, total_len)
+        start = _split_start(offset, window, lo, HAS_WINDOW)
+        new_pos = tl.where(write & (raw_qpos == offset) & (rows_valid > 0), raw_qpos, -1)
+        mine = (new_pos >= 0) & (start <= new_pos) & (new_pos < start + chunk)
+        kv_hi = tl.where(new_pos >= 0, new_pos, kv_hi)
     else:
         q_ptrs = (
             q_ptr
@@ -292,7 +262,12 @@ def _split_part(
         q = tl.load(q_ptrs, mask=in_rows[:, None], other=0.0)  # [ROWS_PAD, HEAD]
         row_scale = load_row_scale(qs_ptr, b64, seq_len, s_idx, n_idx, in_rows, NUM_HEADS,
                                    HAS_QSCALE)  # fmt: skip
+        kv_hi = tl.minimum(offset + rows_valid, total_len)
+        start = _split_start(offset, window, lo, HAS_WINDOW)
+    end = tl.minimum(start + chunk, kv_hi)
 
+    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     shift = 0.0
     if K_SHIFT:
         # int8 K enters Q.K as k + INT8_SHIFT (no fp16 subtract per K pair): every logit of a
@@ -464,7 +439,6 @@ def gqa_decode_split_kernel(
     K_PAIRS: tl.constexpr = False,  # int8 K tiles too, Q split into even / odd channels
     K_SHIFT: tl.constexpr = False,  # int8 K tiles as k + INT8_SHIFT (see _split_part)
     V_SHIFT: tl.constexpr = False,  # int8 V tiles (V_PAIRS) as v + INT8_SHIFT (_split_part)
-    PREFETCH_TILES: tl.constexpr = 0,  # bulk L2 prefetch of each part's first tiles
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -498,7 +472,7 @@ def gqa_decode_split_kernel(
                 INTERPRET, PDL, FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY,
                 INTERLEAVED, HAS_POS, HAS_QNORM, HAS_KNORM, K_QUANT,
                 FILL_PIECES=True, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-                K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT, PREFETCH_TILES=PREFETCH_TILES,
+                K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
             )  # fmt: skip
             t = seg_end
     else:
@@ -517,7 +491,7 @@ def gqa_decode_split_kernel(
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
             HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-            K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT, PREFETCH_TILES=PREFETCH_TILES,
+            K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
         )  # fmt: skip
 
 

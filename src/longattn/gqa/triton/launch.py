@@ -580,29 +580,6 @@ def k_shift_ok(present_key, dot, softcap: float, wide: bool) -> bool:
     return present_key.dtype == torch.int8 and dot == torch.float16 and softcap <= 0 and not wide
 
 
-def rows_end_to_end(cache: torch.Tensor) -> bool:
-    """Whether the rows of a ``[B, KV, C, H]`` cache lie end to end (``stride(2) == H``,
-    ``stride(3) == 1``): a key range of one (sequence, KV head) is one byte range."""
-    return cache.stride(3) == 1 and cache.stride(2) == cache.shape[3]
-
-
-def rows_prefetchable(*caches) -> bool:
-    """Whether the split kernel may prefetch a part's first tiles into L2 by bulk prefetches
-    (``PREFETCH_TILES``, ``decode._prefetch_tiles``): caches whose rows lie end to end
-    (``rows_end_to_end``) and that TMA can address (``tma_ok``: sm_90+, not the interpreter,
-    16-byte aligned base and strides)."""
-    return all(rows_end_to_end(c) and tma_ok(c) for c in caches)
-
-
-def prefetch_tiles(cfg: dict, present_key, present_value) -> int:
-    """``cfg["PREFETCH_TILES"]`` (a non-negative int, 0 when absent) where the caches allow
-    it (``rows_prefetchable``), else 0."""
-    tiles = cfg.get("PREFETCH_TILES", 0)
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 0:
-        raise ValueError(f"decode cfg['PREFETCH_TILES'] must be an int >= 0, got {tiles!r}")
-    return tiles if tiles and rows_prefetchable(present_key, present_value) else 0
-
-
 def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, num_splits=None,
                q_scale=None, fused=None, dot=None, default_cfg=None):  # fmt: skip
     """Split-K decode for S * group <= DECODE_MAX_ROWS, then the log-sum-exp merge.
@@ -617,9 +594,7 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     (bool, off): the int8 K cache too (fp16 Q.K dot), Q split into its even / odd channels,
     same conditions for K. ``cfg["K_SHIFT"]`` (bool, off): int8 K enters Q.K as ``k + 1152``
     (``k_shift_ok``); ``cfg["V_SHIFT"]`` (bool, off): int8 V as ``v + 1152`` in P.V, with
-    ``V_PAIRS`` only (``_core.online_softmax_pairs``). ``cfg["PREFETCH_TILES"]`` (int, 0: off):
-    each part's first that many tiles of K and V are asked of the L2 by two bulk prefetches as
-    soon as its key range is known (``prefetch_tiles``)."""
+    ``V_PAIRS`` only (``_core.online_softmax_pairs``)."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -645,7 +620,6 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     on = cfg_flag(cfg, "K_SHIFT", False, what="decode cfg")
     cfg["K_SHIFT"] = on and k_shift_ok(present_key, dot, p.softcap, cfg["WIDE_I8"])
     cfg["V_SHIFT"] = cfg_flag(cfg, "V_SHIFT", False, what="decode cfg") and cfg["V_PAIRS"]
-    cfg["PREFETCH_TILES"] = prefetch_tiles(cfg, present_key, present_value)
     resident = resident_ctas(cfg, h, present_key.element_size())
     int8 = present_key.dtype == torch.int8
     balance = pair_count_plan(h, dot, present_key.dtype)
