@@ -107,6 +107,10 @@ def variants(h: int) -> list[tuple[str, dict]]:
             "gluon_bn128_pp",
             _gl(BLOCK_N=128, STAGES=1, V_STAGES=1, EARLY_K_RELEASE=True, PINGPONG=True),
         ),  # fmt: skip
+        # FA4's conditional rescale decided per warp (LAZY_RESCALE, the plain loop; session 42:
+        # sm_90 SASS H=256 short items, the tile loop's 128 accumulator FMULs behind one
+        # warp-uniform branch, 595 -> 605 instructions when taken)
+        ("gluon_lazy", _gl(LAZY_RESCALE=True)),
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),

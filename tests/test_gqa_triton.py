@@ -945,6 +945,8 @@ def test_prefill_tma_matches_pointer_path(device, monkeypatch):
         "bn128_k1v1_pingpong",
         "overlap_pingpong",
         "cross_item_pingpong",
+        "lazy_rescale",
+        "lazy_rescale_plain",
     ],
 )
 def test_prefill_gluon_gpu(name, variant, device):
@@ -982,7 +984,12 @@ def test_prefill_gluon_gpu(name, variant, device):
                                          EARLY_K_RELEASE=True, PINGPONG=True),
                 overlap_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, PINGPONG=True),
                 cross_item_pingpong=dict(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=True,
-                                         PINGPONG=True))[variant]  # fmt: skip
+                                         PINGPONG=True),
+                # FA4's conditional rescale, per warp (the plain loop; session 42): on each
+                # shape's default, and with every shape in the plain loop
+                lazy_rescale=dict(LAZY_RESCALE=True),
+                lazy_rescale_plain=dict(LAZY_RESCALE=True, OVERLAP=False,
+                                        CROSS_ITEM=False))[variant]  # fmt: skip
     q_rot = torch.empty(c.b, c.s, c.n, c.h, dtype=c.act, device=device)
     out = torch.empty(c.b, c.s, c.n * c.h, dtype=c.act, device=device)
     query, key, value, pk, pv, seqlens, p = _build(c, device)

@@ -142,6 +142,26 @@ def test_prefill_gluon_short_item_shape_compiles():
     assert all(c.get("LDL", 0) + c.get("STL", 0) <= 8 for c in tile_loops), tile_loops
 
 
+@pytest.mark.parametrize("shape", ["HEAD=256,BLOCK_N=64,Q_SLOTS=2,V_STAGES=1,"
+                                   "EARLY_K_RELEASE=True,EPILOGUE_TMA=True",
+                                   "EARLY_K_RELEASE=True,PINGPONG=True"])  # fmt: skip
+def test_prefill_gluon_lazy_rescale_branches_around_the_rescale(shape):
+    """``LAZY_RESCALE`` (the plain loop; H=256's short-item default shape and H=128's plain
+    ping-pong one): one warp vote per consumer and tile, and the accumulator's rescale (HEAD / 2
+    FMUL per thread) behind one more branch, with no copies left where the branch skips it and
+    no local memory in the tile loop; the build without it has no vote."""
+    base = _sass("gqa-prefill-gluon", "--set", shape)
+    lazy = _sass("gqa-prefill-gluon", "--set", shape + ",LAZY_RESCALE=True")
+    hgmma = 20 if "HEAD=256" in shape else 16
+    tile, base_tile = (min((c for c in r["loops"] if c.get("HGMMA") == hgmma),
+                           key=lambda c: sum(c.values())) for r in (lazy, base))  # fmt: skip
+    assert "VOTE" not in base["hist"] and lazy["hist"].get("VOTE") == 2, lazy["hist"]
+    assert tile.get("VOTE") == 1 and tile.get("BRA", 0) == base_tile.get("BRA", 0) + 1, tile
+    assert tile["FMUL"] == base_tile["FMUL"] and tile.get("MOV", 0) == base_tile.get("MOV", 0)
+    assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
+    assert sum(tile.values()) <= sum(base_tile.values()) + 12, (tile, base_tile)
+
+
 def _tile_loop(res: dict, hgmma: int = 16) -> dict:
     """The smallest loop of a Gluon prefill build holding one tile's two wgmma groups (H=128:
     QK^T 8 + P.V 8 HGMMA; ``hgmma`` 12 at H=64: 4 + 8) and its softmax (64 exp2 per thread at

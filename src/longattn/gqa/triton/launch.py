@@ -387,6 +387,10 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     - PINGPONG: FA3's inter-warpgroup schedule, the two consumers take turns to issue their
       wgmma groups (named barriers; ``prefill_gluon._turn_wait``), so one consumer's softmax
       runs while the other's wgmmas hold the tensor cores (the H=128 default, both loops).
+    - LAZY_RESCALE (an option, off; the plain loop only): a row's running max moves only when
+      a tile raises it by more than 2^8, and a warp skips the accumulator's rescale where none
+      of its rows moved (``prefill_gluon._rescale_acc``; FlashAttention-4's conditional
+      rescale). Untimed (session 42).
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the

@@ -262,15 +262,72 @@ def _logits(qk, start, lo, qpos, r_lo, r_hi, window, qk_scale, softcap_mult, las
     return s, unit
 
 
+# LAZY_RESCALE: a row's running max moves only when a tile raises it by more than this (log2
+# units), so the weights stay <= 2^8 (fine in fp32 sums and in a bf16 / fp16 P)
+LAZY_MAX_LOG2 = gl.constexpr(8.0)
+
+
 @gluon.jit
-def _softmax_step(s, unit, m_i, l_i):
+def _softmax_step(s, unit, m_i, l_i, LAZY: gl.constexpr = False):
     """One tile of the online softmax: ``(p [64, BLOCK_N], alpha [64], m [64], l [64])`` from the
-    masked logits ``s`` (``s * unit`` in the log2 domain) and the running max / denominator."""
+    masked logits ``s`` (``s * unit`` in the log2 domain) and the running max / denominator.
+    LAZY (``LAZY_RESCALE``): a row keeps its max (alpha exactly 1) unless the tile raises it
+    by more than ``LAZY_MAX_LOG2``: the weights are relative to a max that is stale by at
+    most that, which the final ``acc / l`` cancels (FlashAttention-4's conditional rescale)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * unit)  # [64]
+    if LAZY:
+        m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)  # -inf -> finite: moves
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.constexpr_function
+def _lazy_rescale_ptx(n):
+    """PTX of ``_rescale_acc`` on a thread's n accumulator elements: outputs $0..$n-1, inputs
+    acc $n..$2n-1, their rows' alpha $2n..$3n-1 and the warp's flag (element 0's, $3n). One
+    warp-uniform branch: n multiplies, or none (the copies coalesce away in ptxas)."""
+    uid = "${:uid}"  # a label per inline-asm instance
+    lines = ["{", ".reg .pred p;", f"setp.ne.s32 p, ${3 * n}, 0;", f"@!p bra.uni SKIP{uid};"]
+    lines += [f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n)]
+    lines += [f"bra.uni DONE{uid};", f"SKIP{uid}:"]
+    lines += [f"mov.b32 ${i}, ${n + i};" for i in range(n)]
+    return "\n".join(lines + [f"DONE{uid}:", "}"])
+
+
+@gluon.constexpr_function
+def _lazy_rescale_constraints(n):
+    return ",".join(["=f"] * n + ["f"] * (2 * n) + ["r"] * n)
+
+
+@gluon.jit
+def _warp_any(flag):
+    """[64] int32 in the accumulator's row layout (two rows per thread): 1 on every row of a
+    warp where any of the warp's 16 rows has ``flag`` set (``vote.sync.any``), else 0."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred a, b; setp.ne.s32 a, $2, 0; setp.ne.s32 b, $3, 0; or.pred a, a, b; "
+        "vote.sync.any.pred a, a, 0xffffffff; selp.s32 $0, 1, 0, a; mov.b32 $1, $0; }",
+        "=r,=r,r,r", [flag], dtype=gl.int32, is_pure=True, pack=2)  # fmt: skip
+
+
+@gluon.jit
+def _rescale_acc(acc, alpha, HEAD: gl.constexpr, LAZY: gl.constexpr):
+    """``acc * alpha`` per row (acc [64, HEAD] fp32, alpha [64]). LAZY: each warp skips its
+    HEAD / 2 multiplies per thread where all of its 16 rows have alpha == 1 (``_softmax_step``
+    with LAZY keeps most rows' max), by one warp-uniform branch in PTX (``_warp_any``): a
+    Triton ``if`` takes a program-wide scalar, which would cost a warpgroup reduction."""
+    row_o: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(HEAD))
+    a_row = gl.convert_layout(alpha, row_o)  # [64]
+    if not LAZY:
+        return acc * gl.expand_dims(a_row, 1)
+    need = _warp_any((a_row != 1.0).to(gl.int32))  # [64], uniform per warp
+    a_full = gl.broadcast(gl.expand_dims(a_row, 1), acc)[0]  # [64, HEAD]
+    need_full = gl.broadcast(gl.expand_dims(need, 1), acc)[0]  # [64, HEAD]
+    PACK: gl.constexpr = HEAD // 2  # a thread's accumulator elements (wgmma layout, 4 warps)
+    return gl.inline_asm_elementwise(
+        _lazy_rescale_ptx(PACK), _lazy_rescale_constraints(PACK), [acc, a_full, need_full],
+        dtype=gl.float32, is_pure=True, pack=PACK)  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -345,16 +402,16 @@ def _release_kv(k_empty, v_empty, it, STAGES: gl.constexpr, V_STAGES: gl.constex
 def _pv_tile(
     acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD: gl.constexpr,
     STAGES: gl.constexpr, V_STAGES: gl.constexpr, EARLY_K_RELEASE: gl.constexpr,
-    TURN: gl.constexpr = -1, GIVE: gl.constexpr = True,
+    TURN: gl.constexpr = -1, GIVE: gl.constexpr = True, LAZY: gl.constexpr = False,
 ):  # fmt: skip
     """``acc * alpha + P.V`` of tile ``it`` (issued and waited for; P [64, BLOCK_N] from
     registers), then its slots released (``_release_kv``): acc [64, HEAD] fp32. TURN: issued
     in turn (``_turn_wait``), which passes once it is issued (GIVE False: the caller keeps it
-    for its next wgmma group)."""
+    for its next wgmma group). LAZY: the rescale by ``_rescale_acc``'s per-warp skip."""
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     vs = it % V_STAGES
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    acc = _rescale_acc(acc, alpha, HEAD, LAZY)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # registers: wgmma A operand
     mbarrier.wait(v_ready.index(vs), (it // V_STAGES) & 1)
     _turn_wait(TURN)
@@ -372,7 +429,7 @@ def _attend(
     softcap_mult, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
     HEAD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     EARLY_K_RELEASE: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-    OVERLAP: gl.constexpr, TURN: gl.constexpr,
+    OVERLAP: gl.constexpr, TURN: gl.constexpr, LAZY: gl.constexpr = False,
 ):  # fmt: skip
     """Online softmax of one warpgroup's 64 rows over the item's n_tiles K/V tiles (ring
     slots from tile counter ``it``): returns (acc [64, HEAD] fp32, m [64], l [64], it).
@@ -382,7 +439,9 @@ def _attend(
     runs while that P.V is on the tensor cores (``_attend_overlapped``). TURN (PINGPONG): the
     two consumers take turns to issue their wgmma groups; here (FA3's schedule without the
     overlap) a turn is tile j's P.V and tile j + 1's QK^T, so one consumer's softmax runs while
-    the other's two wgmmas hold the tensor cores."""
+    the other's two wgmmas hold the tensor cores. LAZY (``LAZY_RESCALE``, this plain loop
+    only): the running max moves only by more than ``LAZY_MAX_LOG2`` and a warp skips the
+    accumulator's rescale where none of its rows moved (``_rescale_acc``)."""
     if OVERLAP:
         return _attend_overlapped(
             it, q, qpos, r_lo, r_hi, kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult,
@@ -398,9 +457,9 @@ def _attend(
         s, unit = _logits(qk, start, kv_lo + j * BLOCK_N, qpos, r_lo, r_hi, window, qk_scale,
                           softcap_mult, j == n_tiles - 1, s_layout, BLOCK_N, HAS_WINDOW,
                           HAS_SOFTCAP)  # fmt: skip
-        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, unit, m_i, l_i, LAZY)
         acc = _pv_tile(acc, p, alpha, v_smem, v_ready, v_empty, k_empty, it, HEAD, STAGES,
-                       V_STAGES, EARLY_K_RELEASE, TURN, False)  # fmt: skip
+                       V_STAGES, EARLY_K_RELEASE, TURN, False, LAZY)  # fmt: skip
         it += 1
     _turn_pass(TURN)
     return acc, m_i, l_i, it
@@ -559,7 +618,7 @@ def _consumer(
     Q_SLOTS: gl.constexpr, IS_FIRST_PROMPT: gl.constexpr, HAS_WINDOW: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr, HAS_SINK: gl.constexpr, SINK_FROM_PTR: gl.constexpr,
     EPILOGUE_SMEM: gl.constexpr, EPILOGUE_TMA: gl.constexpr, OVERLAP: gl.constexpr,
-    CROSS_ITEM: gl.constexpr, PINGPONG: gl.constexpr,
+    CROSS_ITEM: gl.constexpr, PINGPONG: gl.constexpr, LAZY_RESCALE: gl.constexpr,
 ):  # fmt: skip
     """Per work item (as the producer published it), rows [m0 + 64 WG, m0 + 64 WG + 64): the
     online softmax over its K/V tiles, then the normalized rows to ``o_ptr`` (while the
@@ -599,7 +658,7 @@ def _consumer(
                 it, q_smem.index(2 * qs + WG), qpos, offset + r0, offset + r0 + ROWS_PER_WG - 1,
                 kv_lo, kv_hi, n_tiles, window, qk_scale, softcap_mult, k_smem, v_smem, k_ready,
                 v_ready, k_empty, v_empty, HEAD, BLOCK_N, STAGES, V_STAGES, EARLY_K_RELEASE,
-                HAS_WINDOW, HAS_SOFTCAP, OVERLAP, TURN)  # fmt: skip
+                HAS_WINDOW, HAS_SOFTCAP, OVERLAP, TURN, LAZY_RESCALE)  # fmt: skip
             _epilogue(acc, m_i, l_i, b, n, r0, rows_valid, qs, o_ptr, o_desc, sink_ptr, stride_ob,
                       stride_os, seq_len, q_smem, q_empty, WG, HEAD, HAS_SINK, SINK_FROM_PTR,
                       EPILOGUE_SMEM, EPILOGUE_TMA)  # fmt: skip
@@ -775,6 +834,7 @@ def gqa_prefill_gluon_kernel(
     OVERLAP: gl.constexpr = False,  # softmax of tile j during P.V of tile j-1 (see _attend)
     CROSS_ITEM: gl.constexpr = False,  # OVERLAP carried across items (_consumer_crossed)
     PINGPONG: gl.constexpr = False,  # the consumers alternate wgmma issue (_consumer)
+    LAZY_RESCALE: gl.constexpr = False,  # plain loop: per-warp skip of acc's rescale (_attend)
 ):
     n_m = gl.cdiv(seq_len, 2 * ROWS_PER_WG)
     dtype: gl.constexpr = q_desc.dtype
@@ -807,13 +867,13 @@ def gqa_prefill_gluon_kernel(
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
-                         CROSS_ITEM, PINGPONG)),
+                         CROSS_ITEM, PINGPONG, LAZY_RESCALE)),
             (_consumer, (1, o_ptr, o_desc, sink_ptr, stride_ob, stride_os, seq_len, window, qk_scale,
                          softcap_mult, q_smem, k_smem, v_smem, info, q_bar, q_empty, k_ready,
                          v_ready, k_empty, v_empty, NUM_HEADS, HEAD, BLOCK_N, STAGES, V_STAGES,
                          EARLY_K_RELEASE, Q_SLOTS, IS_FIRST_PROMPT, HAS_WINDOW, HAS_SOFTCAP,
                          HAS_SINK, SINK_FROM_PTR, EPILOGUE_SMEM, EPILOGUE_TMA, OVERLAP,
-                         CROSS_ITEM, PINGPONG)),
+                         CROSS_ITEM, PINGPONG, LAZY_RESCALE)),
             (_producer, (q_desc, k_desc, v_desc, seqlens_ptr, counter_ptr, max_total, seq_len,
                          window, n_bn, n_m, q_smem, k_smem, v_smem, info, q_bar, q_empty,
                          k_ready, v_ready, k_empty, v_empty, NUM_HEADS, GROUP, HEAD, BLOCK_N,
