@@ -159,7 +159,8 @@ def test_prefill_gluon_lazy_rescale_branches_around_the_rescale(shape):
     assert tile.get("VOTE") == 1 and tile.get("BRA", 0) == base_tile.get("BRA", 0) + 1, tile
     assert tile["FMUL"] == base_tile["FMUL"] and tile.get("MOV", 0) == base_tile.get("MOV", 0)
     assert tile.get("LDL", 0) + tile.get("STL", 0) == 0, tile
-    assert sum(tile.values()) <= sum(base_tile.values()) + 12, (tile, base_tile)
+    # the vote, its two compares and branch, the two selects of exact alphas (595 -> 609 at H=256)
+    assert sum(tile.values()) <= sum(base_tile.values()) + 16, (tile, base_tile)
 
 
 def _tile_loop(res: dict, hgmma: int = 16) -> dict:

@@ -279,6 +279,8 @@ def _softmax_step(s, unit, m_i, l_i, LAZY: gl.constexpr = False):
         m_new = gl.where(m_new > m_i + LAZY_MAX_LOG2, m_new, m_i)  # -inf -> finite: moves
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
     alpha = gl.exp2(m_i - m_safe)
+    if LAZY:  # exactly 1 where the max stayed (what _rescale_acc's vote tests), whatever ex2 gives
+        alpha = gl.where(m_new == m_i, 1.0, alpha)
     p = gl.exp2(s * unit - gl.expand_dims(m_safe, 1))  # [64, BLOCK_N]: one FMA + exp2
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
