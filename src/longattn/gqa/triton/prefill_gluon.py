@@ -514,7 +514,6 @@ def _overlap_tiles(
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)  # [64, BLOCK_N] logits
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_dtype: gl.constexpr = p.dtype  # fp32, or the dot dtype (rounded where it was computed)
     for j in range(1, n_tiles):
         prev = it  # tile j-1's ring counter
@@ -523,7 +522,7 @@ def _overlap_tiles(
         vs = prev % V_STAGES
         start = _tile_start(j, kv_lo, kv_hi, n_tiles, BLOCK_N)
         p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)  # tile j-1's weights
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = _rescale_acc(acc, alpha, HEAD, False)
         mbarrier.wait(k_ready.index(ks), (it // STAGES) & 1)
         _turn_wait(TURN)
         qk = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
@@ -711,7 +710,6 @@ def _consumer_crossed(
     o_layout: gl.constexpr = _wgmma_layout(HEAD)  # [64, HEAD] accumulator
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = k_smem.dtype
     it = 0  # ring counter of the current item's first tile
     item = 0
@@ -759,7 +757,7 @@ def _consumer_crossed(
         nxt = it + has_pv.to(gl.int32)
         vs = it % V_STAGES
         p_op = gl.convert_layout(p, p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = _rescale_acc(acc, alpha, HEAD, False)
         ks = nxt % STAGES
         if has_next:
             mbarrier.wait(k_ready.index(ks), (nxt // STAGES) & 1)
