@@ -98,15 +98,6 @@ def histogram(sass: str) -> Counter:
     return Counter(_OP.match(m.group(2)).group(1) for m in _INS.finditer(sass))
 
 
-def first_seen(sass: str) -> dict:
-    """{opcode: index of its first instruction in the kernel} (program order), e.g. whether a
-    prefetch is issued before a prologue's barriers."""
-    first = {}
-    for i, m in enumerate(_INS.finditer(sass)):
-        first.setdefault(_OP.match(m.group(2)).group(1), i)
-    return first
-
-
 def loops(sass: str) -> list[Counter]:
     """Instruction histograms of the loops (a backward branch to a label), largest first."""
     ins, labels, pending = [], {}, None
@@ -287,7 +278,6 @@ def main(argv=None):
                     clock_reads=len(re.findall(r"SR_CLOCKLO", res["sass"])),
                     # named barriers: "SYNC 14/256" -> count (id / thread count; all: no count)
                     barriers=named_barriers(res["sass"]),
-                    first=first_seen(res["sass"]),
                 )
             )
         )
