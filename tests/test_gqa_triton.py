@@ -641,6 +641,17 @@ def test_balanced_flag_must_be_a_bool(device):
         gqa_triton(query, key, value, pk, pv, seqlens, p, decode_cfg=cfg)
 
 
+@pytest.mark.parametrize("flag", launch.GLUON_FLAGS)
+def test_gluon_prefill_flag_must_be_a_bool(flag, device):
+    """A Gluon prefill option given as 1 (``LAZY_RESCALE=1``, ...) is a ValueError naming the
+    key, raised before any kernel is built (so on any device)."""
+    query, key, value, pk, pv, seqlens, p = _build(DECODE_CASES["sink-window-softcap-int8"],
+                                                   device)  # fmt: skip
+    q_rot = torch.empty(1, 4, p.num_heads, p.head_size, dtype=torch.float16)
+    with pytest.raises(ValueError, match=rf"prefill cfg\['{flag}'\] must be a bool, got 1"):
+        launch.run_prefill_gluon(q_rot, pk, pv, seqlens, p, q_rot, {flag: 1})
+
+
 @pytest.mark.parametrize("flag", ["WIDE_I8", "V_PAIRS", "K_PAIRS", "K_SHIFT", "V_SHIFT"])
 def test_wide_flag_must_be_a_bool(flag, device):
     """``WIDE_I8`` / ``V_PAIRS`` given as 1 is a ValueError naming the key (not a silent other

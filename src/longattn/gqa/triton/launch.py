@@ -417,6 +417,11 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     return cfg
 
 
+# the Gluon prefill's on / off build options (``prefill_gluon_config``; LAZY_RESCALE is off
+# unless a cfg sets it): each must be a bool
+GLUON_FLAGS = ("EARLY_K_RELEASE", "PERSISTENT", "DYNAMIC", "EPILOGUE_SMEM", "EPILOGUE_TMA",
+               "OVERLAP", "CROSS_ITEM", "PINGPONG", "LAZY_RESCALE")  # fmt: skip
+
 GLUON_SMEM_BYTES = 232448 - 2048  # sm_90's 227 KiB per CTA, less room for barriers / scratch
 
 
@@ -455,7 +460,10 @@ def run_prefill_gluon(q_rot, present_key, present_value, seqlens_k, p, out, cfg=
 
     b, s, n, h = q_rot.shape
     base = prefill_gluon_config(h, prefill_item_keys(p.total_sequence_length, p.local_window_size))
-    cfg = fit_prefill_gluon_smem(dict(base, **(cfg or {})), h, q_rot.element_size())
+    cfg = dict(base, **(cfg or {}))
+    for key in GLUON_FLAGS:  # a flag given as 1 would silently pick another build
+        cfg_flag(cfg, key, what="prefill cfg")
+    cfg = fit_prefill_gluon_smem(cfg, h, q_rot.element_size())
     rows, bn = int(ROWS_PER_WG), cfg["BLOCK_N"]
     gdt = gl.bfloat16 if q_rot.dtype == torch.bfloat16 else gl.float16
     q2 = q_rot.view(b * s, n * h)
