@@ -110,7 +110,9 @@ def variants(h: int) -> list[tuple[str, dict]]:
         # FA4's conditional rescale decided per warp (LAZY_RESCALE, the plain loop; session 42:
         # sm_90 SASS H=256 short items, the tile loop's 128 accumulator FMULs behind one
         # warp-uniform branch; 595 -> 609 instructions, 481 where the branch skips)
+        # (the H=256 default since session 43; "gluon_nolazy" is each shape's default without it)
         ("gluon_lazy", _gl(LAZY_RESCALE=True)),
+        ("gluon_nolazy", _gl(LAZY_RESCALE=False)),
         (
             "gluon_overlap_pp",
             _gl(OVERLAP=True, EARLY_K_RELEASE=True, CROSS_ITEM=False, PINGPONG=True),

@@ -1070,7 +1070,8 @@ def test_prefill_gluon_config_short_items():
     carried across items (CROSS_ITEM), and its two consumers take turns to issue their wgmma
     groups at every length (PINGPONG); H=64 (where the overlap measured slower) keeps the plain
     build. Nowhere else do OVERLAP, CROSS_ITEM or PINGPONG run (H=256: PINGPONG measured 8%
-    slower)."""
+    slower). H=256 skips the accumulator's rescale per warp (LAZY_RESCALE) in both shapes;
+    H=128 (measured 3% slower at S=4K) and H=64 (untimed) do not."""
     short = launch.prefill_gluon_config(256, launch.GLUON_SHORT_TOTAL)
     assert (short["Q_SLOTS"], short["STAGES"], short["V_STAGES"]) == (2, 2, 1)
     assert short["EARLY_K_RELEASE"] and short["EPILOGUE_TMA"] and not short["OVERLAP"]
@@ -1080,6 +1081,9 @@ def test_prefill_gluon_config_short_items():
         assert cfg["V_STAGES"] == 2 and not cfg["EARLY_K_RELEASE"] and not cfg["EPILOGUE_TMA"]
         assert not cfg["OVERLAP"] and not cfg["CROSS_ITEM"] and not cfg["PINGPONG"]
     assert not short["PINGPONG"]
+    for head, total in ((256, launch.GLUON_SHORT_TOTAL), (256, 0), (128, 2048), (128, 0),
+                        (64, 2048)):  # fmt: skip
+        assert launch.prefill_gluon_config(head, total)["LAZY_RESCALE"] == (head == 256)
     edge = launch.GLUON_OVERLAP_MIN_TOTAL
     for total, overlap in (
         (2048, False),

@@ -155,10 +155,12 @@ def _tile_loop(res: dict, hgmma: int = 16, exp2: int = 64) -> dict:
 
 @pytest.mark.parametrize("shape", ["HEAD=256,BLOCK_N=64,Q_SLOTS=2,V_STAGES=1,"
                                    "EARLY_K_RELEASE=True,EPILOGUE_TMA=True",
+                                   "HEAD=256,BLOCK_N=64,Q_SLOTS=1",
                                    "EARLY_K_RELEASE=True,PINGPONG=True"])  # fmt: skip
 def test_prefill_gluon_lazy_rescale_branches_around_the_rescale(shape):
-    """``LAZY_RESCALE`` (the plain loop; H=256's short-item default shape and H=128's plain
-    ping-pong one): one warp vote per consumer and tile, and the accumulator's rescale (HEAD / 2
+    """``LAZY_RESCALE`` (the plain loop; H=256's default shapes, short items and long ones
+    (session 43: 605 -> 619 instructions), and H=128's plain ping-pong one): one warp vote per
+    consumer and tile, and the accumulator's rescale (HEAD / 2
     FMUL per thread) behind one more branch, with no copies left where the branch skips it and
     no local memory in the tile loop; the build without it has no vote."""
     base = _sass("gqa-prefill-gluon", "--set", shape)
@@ -255,7 +257,7 @@ def test_prefill_gluon_default_builds_keep_the_wgmmas_asynchronous(head, keys):
 
     cfg = launch.fit_prefill_gluon_smem(launch.prefill_gluon_config(head, keys), head, 2)
     keys_set = ("BLOCK_N", "STAGES", "V_STAGES", "EARLY_K_RELEASE", "Q_SLOTS", "EPILOGUE_SMEM",
-                "EPILOGUE_TMA", "OVERLAP", "CROSS_ITEM", "PINGPONG")  # fmt: skip
+                "EPILOGUE_TMA", "OVERLAP", "CROSS_ITEM", "PINGPONG", "LAZY_RESCALE")  # fmt: skip
     sets = ",".join([f"HEAD={head}"] + [f"{k}={cfg[k]}" for k in keys_set])
     res = _sass("gqa-prefill-gluon", "--set", sets)
     assert not cfg["OVERLAP"] and res["hist"]["HGMMA"] >= 24, (cfg, res["hist"])

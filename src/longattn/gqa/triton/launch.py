@@ -345,6 +345,16 @@ GLUON_OVERLAP_MIN_TOTAL = 4096
 # 0%). H=256 (its plain short-item build, run 1): +8.3 / +7.8% at S=2K / 8K; H=64: +0.6 / +2.6%:
 # both keep it off.
 
+# H > 128 takes LAZY_RESCALE (FA4's conditional rescale, per warp; its plain loop is the only
+# one H=256 runs). H100 80GB HBM3, session 43, same process, median us, default -> LAZY, three
+# runs (7 / 7 / 11 interleaved rounds; ``prefill_gluon_lazy{,_run2,_run3}_session43_h100.json``),
+# causal bf16 (32, 8), B*S = 16K: S=2K 1094.0 -> 1081.9, 1084.6 -> 1083.6, 1085.7 -> 1085.0
+# (-1.1 / -0.1 / -0.1%); S=4K 1979.7 -> 1969.8, 1964.3 -> 1968.6 (-0.5 / +0.2%); S=8K 3788.6 ->
+# 3645.1, 3847.9 -> 3742.7, 3766.5 -> 3712.4 (-3.8 / -2.7 / -1.4%); S=32K 28135.8 -> 28839.0,
+# 28999.2 -> 28904.6, 28917.4 -> 28763.2 (+2.5 / -0.3 / -0.5%). The prediction was -2 to -6%
+# at S=8K / 32K. H=128's plain loop (up to 4096 keys) keeps it off: S=2K +0.1%, S=4K +3.1%
+# (one run, ``prefill_gluon_h128_defaults_session43_h100.json``); H=64 is untimed: off.
+
 
 def prefill_item_keys(total: int, window: int, rows: int = 128) -> int:
     """The most keys one Gluon prefill work item (``rows`` query rows) reads: the sequence's
@@ -387,10 +397,10 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     - PINGPONG: FA3's inter-warpgroup schedule, the two consumers take turns to issue their
       wgmma groups (named barriers; ``prefill_gluon._turn_wait``), so one consumer's softmax
       runs while the other's wgmmas hold the tensor cores (the H=128 default, both loops).
-    - LAZY_RESCALE (an option, off; the plain loop only): a row's running max moves only when
-      a tile raises it by more than 2^8, and a warp skips the accumulator's rescale where none
-      of its rows moved (``prefill_gluon._rescale_acc``; FlashAttention-4's conditional
-      rescale). Untimed (session 42).
+    - LAZY_RESCALE (the plain loop only; the H > 128 default): a row's running max moves only
+      when a tile raises it by more than 2^8, and a warp skips the accumulator's rescale where
+      none of its rows moved (``prefill_gluon._rescale_acc``; FlashAttention-4's conditional
+      rescale; measurements at the module's comment).
 
     H <= 128: 128-key tiles, 2 + 2 K / V slots, 2 Q pairs; H = 128 also releases K early and,
     for sequences of more than ``GLUON_OVERLAP_MIN_TOTAL`` keys (or unknown), overlaps the
@@ -402,13 +412,14 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     more than ``GLUON_SHORT_TOTAL`` keys (or unknown): 2 + 2 slots and 1 Q pair (224 KiB would
     not hold 2); shorter ones, whose items are a few tiles long, the short-item shape: 2 Q
     pairs, 2 K slots refilled early, 1 V slot, TMA output stores, so the next item's Q is
-    resident when an item ends (see ``GLUON_SHORT_TOTAL`` for the measurements)."""
+    resident when an item ends (see ``GLUON_SHORT_TOTAL`` for the measurements); both shapes
+    skip the accumulator's rescale per warp where no row's max moved (LAZY_RESCALE)."""
     bn = 64 if head > 128 else 128
     cfg = dict(BLOCK_N=bn, STAGES=2, V_STAGES=2, EARLY_K_RELEASE=False, Q_SLOTS=2,
                CONSUMER_REGS=240, maxnreg=168,
                PERSISTENT=True, DYNAMIC=True, ORDER=2,
                EPILOGUE_SMEM=True, EPILOGUE_TMA=False, OVERLAP=False, CROSS_ITEM=False,
-               PINGPONG=False)  # fmt: skip
+               PINGPONG=False, LAZY_RESCALE=head > 128)  # fmt: skip
     if head > 128 and 0 < max_total <= GLUON_SHORT_TOTAL:
         cfg.update(V_STAGES=1, EARLY_K_RELEASE=True, EPILOGUE_TMA=True)
     if head == 128:
@@ -417,8 +428,7 @@ def prefill_gluon_config(head: int, max_total: int = 0) -> dict:
     return cfg
 
 
-# the Gluon prefill's on / off build options (``prefill_gluon_config``; LAZY_RESCALE is off
-# unless a cfg sets it): each must be a bool
+# the Gluon prefill's on / off build options (``prefill_gluon_config``): each must be a bool
 GLUON_FLAGS = ("EARLY_K_RELEASE", "PERSISTENT", "DYNAMIC", "EPILOGUE_SMEM", "EPILOGUE_TMA",
                "OVERLAP", "CROSS_ITEM", "PINGPONG", "LAZY_RESCALE")  # fmt: skip
 
