@@ -61,6 +61,9 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
     "prefill_h256": (45, 120, _prefill_ab(256, 7, "gluon,gluon_nolazy,gluon_long"),
                      "H=256: the LAZY_RESCALE default (session 43, H100 only) and the long-item "
                      "ring shape"),
+    "tests_h256": (60, 150, _gpu_tests("256"),
+                   "GPU tests of the H=256 builds (LAZY_RESCALE their default since session 43, "
+                   "which ran only its option variants)"),
     "prefill_h64": (30, 90, _prefill_ab(64, 7, "gluon,gluon_lazy"),
                     "H=64: LAZY_RESCALE (untimed there)"),
     "tests_k_shift": (40, 120, _gpu_tests("k_shift"),
