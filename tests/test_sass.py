@@ -160,9 +160,9 @@ def _tile_loop(res: dict, hgmma: int = 16, exp2: int = 64) -> dict:
 def test_prefill_gluon_lazy_rescale_branches_around_the_rescale(shape):
     """``LAZY_RESCALE`` (the plain loop; H=256's default shapes, short items and long ones
     (session 43: 605 -> 619 instructions), and H=128's plain ping-pong one): one warp vote per
-    consumer and tile, and the accumulator's rescale (HEAD / 2
-    FMUL per thread) behind one more branch, with no copies left where the branch skips it and
-    no local memory in the tile loop; the build without it has no vote."""
+    consumer and tile, and the accumulator's rescale (HEAD / 2 FMUL per thread) behind one more
+    branch, with no copies left where the branch skips it and no local memory in the tile
+    loop; the build without it has no vote."""
     base = _sass("gqa-prefill-gluon", "--set", shape)
     lazy = _sass("gqa-prefill-gluon", "--set", shape + ",LAZY_RESCALE=True")
     hgmma, exp2 = (20, 32) if "HEAD=256" in shape else (16, 64)
