@@ -3,7 +3,8 @@
 Device time is scarce and calls are capped at 10 minutes, so the checks run in the order given
 (default: the order below, most wanted first), each under its own timeout, and none starts once
 ``--budget`` seconds minus its estimate are spent. Each writes its log (and results folder)
-under ``--out``; ``summary.txt`` says what ran, how long, and the exit status.
+under ``--out``; ``summary.txt`` says what ran, how long, and the exit status, and
+``goals.md`` sets what the call measured against the issues' goals (``goals.py``).
 
     PYTHONPATH=src python benchmarks/pending.py --out $OUT --budget 560
     PYTHONPATH=src python benchmarks/pending.py --out $OUT gqa_cache prefill_ab
@@ -163,7 +164,19 @@ def main(argv=None) -> int:
         lines.append(f"{name}: rc {rc}, {time.time() - start:.0f} s (estimate {est} s)")
         print(lines[-1], flush=True)
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    _write_goals(out)
     return 0
+
+
+def _write_goals(out: Path) -> None:
+    """``goals.md``: the issues' goals against what this call measured (``goals.py``)."""
+    try:
+        import goals  # beside this script (its folder is sys.path[0] when run)
+
+        report = goals.report(goals.evaluate(goals.load_rows([str(out)])))
+    except Exception as exc:  # a report must never cost the call its results
+        report = f"goals.py failed: {type(exc).__name__}: {exc}"
+    (out / "goals.md").write_text(report + "\n")
 
 
 if __name__ == "__main__":
