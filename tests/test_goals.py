@@ -15,8 +15,9 @@ import pending  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _write(path: Path, gpu: str, rows: list[dict]) -> Path:
-    path.write_text(json.dumps({"op": "x", "meta": {"gpu": gpu}, "notes": [], "rows": rows}))
+def _write(path: Path, gpu: str, rows: list[dict], **meta) -> Path:
+    doc = {"op": "x", "meta": dict(meta, gpu=gpu), "notes": [], "rows": rows}
+    path.write_text(json.dumps(doc))
     return path
 
 
@@ -68,12 +69,12 @@ def test_sparse_goals_need_the_whole_t_range_for_flatness(tmp_path):
         dict(base, T=131072, chain_dsa_us=10.5, chain_dense_over_layer_op=10.5,
              dsa_vs_copy_BW=0.1),
         dict(base, T=262144, chain_dsa_us=11.5, chain_dense_over_layer_op=19.9,
-             dsa_vs_copy_BW=0.8),
+             chain_dense_us=240.0, dsa_MB=8.0, dsa_vs_copy_BW=0.8),
         dict(base, B=4, T=131072, chain_dsa_us=20.0, chain_dense_over_sparse=30.0),
         {"section": "cache", "cache": "float16", "B": 1, "S": 1, "T": 131072, "budget": 2048,
          "vs_bf16": 1.0},
     ]  # fmt: skip
-    f = _write(tmp_path / "sparse_h200.json", "NVIDIA H200", rows)
+    f = _write(tmp_path / "sparse_h200.json", "NVIDIA H200", rows, copy_TBps=4.0)
     checks = goals.evaluate(goals.load_rows([str(f)]))
     flat = _by(checks, "DSA flat in T")
     assert list(flat) == ["B=1 S=1 bfloat16 T=32K..256K"]  # B=4 has one T only
@@ -83,6 +84,9 @@ def test_sparse_goals_need_the_whole_t_range_for_flatness(tmp_path):
     dense = _by(checks, "indexer + DSA vs dense")
     assert dense["B=1 S=1 T=131072 bfloat16"].ok and not dense["B=1 S=1 T=262144 bfloat16"].ok
     assert dense["B=4 S=1 T=131072 bfloat16"].column == "chain_dense_over_sparse"
+    # the ratio's ceiling by bytes: 240 us of dense over 8 MB at 4 TB/s (2 us) = 120x
+    assert abs(dense["B=1 S=1 T=262144 bfloat16"].bound - 120.0) < 1e-9
+    assert dense["B=1 S=1 T=131072 bfloat16"].bound is None  # no dsa_MB in that row
     assert [c.ok for c in checks if c.goal == "DSA % of copy BW"] == [False, False, True]
     assert _by(checks, "DSA fp16 cache <= bf16 time")["B=1 S=1 T=131072 float16 budget=2048"].ok
 
