@@ -284,7 +284,11 @@ def _decode_fn(p, cfg=None, splits=None):
 # asked the L2 for its first 3 / 8 tiles by bulk prefetches before the fused Q prologue) ran
 # in session 42 and were removed (H100, gqa_decode_prefetch_session42_h100.json: B=1 T=4K
 # chained 12.8 -> 13.3 / 13.8 us; DEVELOPERS.md's tuning table).
+# "direct": DIRECT_OUT (an option, session 44): where the plan is one split of the split grid
+# (B=32 at KV=8; int8 at T=4K) the split kernel finishes its rows into the output and the
+# merge launch goes; elsewhere its rows re-time the default (a noise gauge).
 DECODE_VARIANTS = {"unfused": dict(FUSE_PROLOGUE=False), "v_bytes": dict(V_PAIRS=False),
+                   "direct": dict(DIRECT_OUT=True),
                    "k_pairs": dict(K_PAIRS=True), "k_shift": dict(K_SHIFT=True),
                    "kv_shift": dict(K_SHIFT=True, V_SHIFT=True),
                    "k_pairs_kv_shift": dict(K_PAIRS=True, K_SHIFT=True, V_SHIFT=True)}  # fmt: skip

@@ -144,7 +144,7 @@ def _presets(cache: str):
 
     q16 = "fp16" if cache == "i8" else "bf16"  # int8 K: fp16 Q rows with power-of-two scales
     attn_types = {"q_ptr": f"*{q16}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "o_ptr": "*bf16",
-                  "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
+                  "out_ptr": "*bf16", "sink_ptr": "*bf16", "seqlens_ptr": "*i32", "bias_ptr": "*bf16", "qk_scale": "fp32",
                   "softcap_mult": "fp32", "xq_ptr": "*bf16", "xk_ptr": "*bf16", "xv_ptr": "*bf16",
                   "pos_ptr": "*i64", "eps": "fp32"}  # fmt: skip
     attn_q_dtype = tl.float16 if cache == "i8" else tl.bfloat16

@@ -604,6 +604,53 @@ def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
     _assert_within_two_roundings_16bit(got, base)
 
 
+DIRECT_CASES = {
+    **{k: dataclasses.replace(c, num_splits=1) for k, c in DECODE_CASES.items()},
+    **{f"fused-{k}": dataclasses.replace(c, num_splits=1) for k, c in FUSED_CASES.items()},
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", list(DIRECT_CASES))
+def test_decode_direct_out_interpret(name, device, monkeypatch):
+    """``DIRECT_OUT`` (a decode option): with one split the kernel finishes its rows into the
+    output (sink once, ``1 / l``, ``v_scale``, one rounding) and the merge does not run: fp64
+    tolerance, the reference's caches, first-prompt padding rows exactly zero, and within two
+    output roundings of the same split written as partials and merged. A sink left out, or
+    added twice, fails the sink / smooth cases; a missing ``v_scale`` the int8 ones."""
+    c = DIRECT_CASES[name]
+    fused = name.startswith("fused-")
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, FUSE_PROLOGUE=fused)
+        base = _run_and_check(c, device)
+    seen = []
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel",
+                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+    merges = _count_calls(monkeypatch, "merge_splits")
+    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused, DIRECT_OUT=True)
+    got = _run_and_check(c, device)
+    assert seen and all(kw["DIRECT_OUT"] for kw in seen), "the DIRECT_OUT build did not run"
+    assert merges == [], "the merge ran after a direct split"
+    _assert_within_two_roundings_16bit(got, base)
+
+
+@pytest.mark.interpret
+def test_decode_direct_out_needs_one_split_of_the_split_grid(device, monkeypatch):
+    """``DIRECT_OUT`` asked for where a pair has several parts (3 splits, or the balanced
+    grid's parts) stays off: partials and the merge, as without it."""
+    c = DECODE_CASES["s3-bias-batch-fp32-splits3"]
+    for extra in ({}, {"BALANCED": True}):
+        with monkeypatch.context() as m:
+            seen = []
+            m.setattr(launch, "gqa_decode_split_kernel",
+                      _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+            merges = _count_calls(m, "merge_splits")
+            _decode_cfg_with(m, DIRECT_OUT=True, **extra)
+            _run_and_check(dataclasses.replace(c, num_splits=None if extra else 3), device)
+            assert seen and not any(kw["DIRECT_OUT"] for kw in seen), extra
+            assert merges == [1], extra
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("fill", [0.5, 0.8])
 def test_int8_split_plan_takes_the_balanced_grid_below_its_fill(fill, device, monkeypatch):
@@ -887,6 +934,10 @@ GPU_CASES = {
     "decode-bf16-h128-b24-softcap": Case(  # 9/8-3/2 waves, fill 0.97: 2 stages, 4 splits
         b=24, s=1, lens=tuple(7 + (1237 * i) % 4000 for i in range(24)), first_prompt=False,
         n=32, kv=8, h=128, act=torch.bfloat16, softcap=30.0,
+    ),
+    "decode-bf16-h128-b32-smooth": Case(  # 256 pairs, fill 0.97: one split (DIRECT_OUT's case)
+        b=32, s=1, lens=tuple(1 + (1543 * i) % 4096 for i in range(32)), first_prompt=False,
+        n=32, kv=8, h=128, act=torch.bfloat16, sink="smooth",
     ),
 }  # fmt: skip
 
@@ -1295,6 +1346,31 @@ def test_decode_balanced_grid_gpu(name, device, monkeypatch):
     _decode_cfg_with(monkeypatch, BALANCED=True)
     got = _run_and_check(c, device)
     assert grids == [1]
+    _assert_within_two_roundings_16bit(got, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [k for k in GPU_CASES if k.startswith("decode")])
+def test_decode_direct_out_gpu(name, device, monkeypatch):
+    """``DIRECT_OUT`` on real shapes with one split (forced, or B=32's own plan on 132 SMs):
+    the build ran and no merge did, fp64 tolerance, the reference's caches, within two output
+    roundings of the same split merged."""
+    c = GPU_CASES[name]
+    if c.b * c.kv < 132:  # the plan would split: one split forced
+        c = dataclasses.replace(c, num_splits=1)
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, DIRECT_OUT=False)
+        base = _run_and_check(c, device)
+    seen = []
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel",
+                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+    merges = _count_calls(monkeypatch, "merge_splits")
+    _decode_cfg_with(monkeypatch, DIRECT_OUT=True)
+    got = _run_and_check(c, device)
+    if not all(kw["DIRECT_OUT"] for kw in seen):  # B=17 / 20 / 24 / 28: parts per pair
+        assert all(kw["BALANCED"] or kw["num_splits"] > 1 for kw in seen) and merges == [1]
+        return
+    assert seen and merges == []
     _assert_within_two_roundings_16bit(got, base)
 
 

@@ -233,6 +233,27 @@ def normalize(acc, l_i):
 
 
 @triton.jit
+def finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
+                 HEAD: tl.constexpr, HAS_SINK: tl.constexpr, SINK_FROM_PTR: tl.constexpr,
+                 HAS_VSCALE: tl.constexpr):  # fmt: skip
+    """A row's finished output from its whole softmax state: the sink (once; ``head_sink [N]``
+    at ``n_idx``, or the smooth softmax's zero logit), ``1 / l`` (rows that saw nothing ->
+    zeros), ``v_scale``: ``[ROWS, HEAD]`` fp32. What the merge kernel makes of a single part."""
+    if HAS_SINK:
+        if SINK_FROM_PTR:
+            sink2 = tl.load(sink_ptr + n_idx).to(tl.float32) * 1.4426950408889634  # [ROWS]
+        else:
+            sink2 = tl.zeros_like(m_i)
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
+    o = normalize(acc, l_i)
+    if HAS_VSCALE:
+        offs_d = tl.arange(0, HEAD)
+        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
+        o = o * vs[None, :]
+    return o
+
+
+@triton.jit
 def _load_words(base, start_n, stride_row, kv_hi, BLOCK_N: tl.constexpr, HEAD: tl.constexpr,
                 WORD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Rows ``[start_n, start_n + BLOCK_N)`` of a cache tile read as ``WORD`` words (the cache's

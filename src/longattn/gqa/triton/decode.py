@@ -19,6 +19,10 @@ programs, which loses where the split plan already fills its waves.
 
 The slices are merged by ``longattn._triton_merge.merge_splits`` (log-sum-exp, the sink
 (head_sink / smooth_softmax) exactly once, one rounding to the output), shared with DSA.
+``DIRECT_OUT`` (a ``decode_cfg`` option, off; ``launch.run_decode`` keeps it only for one split
+of the split grid, e.g. B=32 at KV=8): the program finishes its rows itself
+(``_core.finish_rows``: the same sink, ``1 / l``, ``v_scale`` and one rounding) into the
+output, and neither partials nor the merge launch happen.
 
 ``FUSE_PROLOGUE`` (S = 1, a ``decode_cfg`` option; the default at H <= 128 on the GPU, see
 ``decode_config``; the interpreter config leaves it off): the kernel takes the prologue's work
@@ -44,6 +48,7 @@ from ..._triton_prologue import (
 from ..._triton_utils import INT8_SHIFT, cdiv, interleave_channels, wait_prior_grids
 from ._core import (
     causal_window_mask,
+    finish_rows,
     load_int8_pairs,
     load_kv_tile,
     load_row_scale,
@@ -207,10 +212,13 @@ def _split_part(
     HAS_KNORM: tl.constexpr = False, K_QUANT: tl.constexpr = False,
     FILL_PIECES: tl.constexpr = False, WIDE_I8: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False, K_PAIRS: tl.constexpr = False,
-    K_SHIFT: tl.constexpr = False, V_SHIFT: tl.constexpr = False,
+    K_SHIFT: tl.constexpr = False, V_SHIFT: tl.constexpr = False, out_ptr=None, sink_ptr=None,
+    DIRECT_OUT: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
+    SINK_FROM_PTR: tl.constexpr = False,
 ):  # fmt: skip
     """One part (keys ``[start, start + chunk)`` of one (sequence, KV head) pair) of the split
-    kernel: every packed query row of the pair's KV head, partials into slot ``split``."""
+    kernel: every packed query row of the pair's KV head, partials into slot ``split``
+    (``DIRECT_OUT``: the pair's only part, its rows finished into ``out_ptr``)."""
     b64 = b.to(tl.int64)
     total_len = load_total_len(seqlens_ptr, b, max_total)
     offset, rows_valid = new_row_span(total_len, seq_len, IS_FIRST_PROMPT)
@@ -335,19 +343,27 @@ def _split_part(
         store_new_row(k_base + raw_qpos * stride_kc, v_base + raw_qpos * stride_vc, k_new,
                       v_new, write & appender, HEAD, HEAD)  # fmt: skip
 
-    o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
-    if HAS_VSCALE:
-        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
-        o = o * vs[None, :]
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    part = ((b64 * seq_len + s_idx) * NUM_HEADS + n_idx) * num_splits + split  # [ROWS_PAD]
-    tl.store(lse_part_ptr + part, lse, mask=in_rows)
-    tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
-    if FILL_PIECES:  # balanced grid: the pair's first part marks its unused slots empty
-        j = pieces
-        while j < num_splits:
-            tl.store(lse_part_ptr + part - split + j, float("-inf"), mask=in_rows & (split == 0))
-            j += 1
+    row = (b64 * seq_len + s_idx) * NUM_HEADS + n_idx  # [ROWS_PAD] (token, head) of each row
+    if DIRECT_OUT:  # one part per pair: what the merge would make of it, in one rounding
+        o = finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
+                        HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
+        o_ptrs = out_ptr + row[:, None] * HEAD + offs_d[None, :]  # o: [ROWS_PAD, HEAD] fp32
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=in_rows[:, None])
+    else:
+        o = normalize(acc, l_i)  # [ROWS_PAD, HEAD]
+        if HAS_VSCALE:
+            vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
+            o = o * vs[None, :]
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        part = row * num_splits + split  # [ROWS_PAD]
+        tl.store(lse_part_ptr + part, lse, mask=in_rows)
+        tl.store(o_part_ptr + part[:, None] * HEAD + offs_d[None, :], o, mask=in_rows[:, None])
+        if FILL_PIECES:  # balanced grid: the pair's first part marks its unused slots empty
+            j = pieces
+            while j < num_splits:
+                tl.store(lse_part_ptr + part - split + j, float("-inf"),
+                         mask=in_rows & (split == 0))  # fmt: skip
+                j += 1
 
 
 # the balanced grid's tile counts vary with every length: no value specialization (a
@@ -362,8 +378,10 @@ def gqa_decode_split_kernel(
     bias_ptr,  # [B|1, N|1, S, T]
     vs_ptr,  # v_scale [1] or [KV, 1, HEAD] fp32
     qs_ptr,  # [B, S, N] fp32 power-of-two factor of each Q row (HAS_QSCALE)
-    o_part_ptr,  # [B, S, N, splits, HEAD] fp32
-    lse_part_ptr,  # [B, S, N, splits] fp32
+    o_part_ptr,  # [B, S, N, splits, HEAD] fp32 (unused with DIRECT_OUT)
+    lse_part_ptr,  # [B, S, N, splits] fp32 (unused with DIRECT_OUT)
+    out_ptr,  # DIRECT_OUT: [B, S, N * HEAD] output dtype, contiguous
+    sink_ptr,  # DIRECT_OUT: head_sink [N] (SINK_FROM_PTR)
     xq_ptr,  # FUSE_PROLOGUE: the raw query [B, 1, N*HEAD] (or packed QKV's Q part)
     xk_ptr,  # FUSE_PROLOGUE: new K [B, 1, KV*HEAD]
     xv_ptr,  # FUSE_PROLOGUE: new V [B, 1, KV*HEAD]
@@ -439,6 +457,9 @@ def gqa_decode_split_kernel(
     K_PAIRS: tl.constexpr = False,  # int8 K tiles too, Q split into even / odd channels
     K_SHIFT: tl.constexpr = False,  # int8 K tiles as k + INT8_SHIFT (see _split_part)
     V_SHIFT: tl.constexpr = False,  # int8 V tiles (V_PAIRS) as v + INT8_SHIFT (_split_part)
+    DIRECT_OUT: tl.constexpr = False,  # one split (not BALANCED): rows finished into out_ptr
+    HAS_SINK: tl.constexpr = False,  # DIRECT_OUT: head_sink or smooth_softmax
+    SINK_FROM_PTR: tl.constexpr = False,  # DIRECT_OUT: head_sink (else the zero logit)
 ):
     wait_prior_grids(PDL)  # the previous grid's writes are visible from here on
     if BALANCED:
@@ -491,7 +512,8 @@ def gqa_decode_split_kernel(
             HAS_VSCALE, HAS_QSCALE, DOT_DTYPE, DOT_PREC, PV_DTYPE, INTERPRET, PDL,
             FUSE_PROLOGUE, Q_DTYPE, ROT_DIM, HAS_ROTARY, INTERLEAVED, HAS_POS,
             HAS_QNORM, HAS_KNORM, K_QUANT, WIDE_I8=WIDE_I8, V_PAIRS=V_PAIRS, K_PAIRS=K_PAIRS,
-            K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT,
+            K_SHIFT=K_SHIFT, V_SHIFT=V_SHIFT, out_ptr=out_ptr, sink_ptr=sink_ptr,
+            DIRECT_OUT=DIRECT_OUT, HAS_SINK=HAS_SINK, SINK_FROM_PTR=SINK_FROM_PTR,
         )  # fmt: skip
 
 

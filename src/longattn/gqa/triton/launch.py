@@ -616,7 +616,10 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
     (bool, off): the int8 K cache too (fp16 Q.K dot), Q split into its even / odd channels,
     same conditions for K. ``cfg["K_SHIFT"]`` (bool, off): int8 K enters Q.K as ``k + 1152``
     (``k_shift_ok``); ``cfg["V_SHIFT"]`` (bool, off): int8 V as ``v + 1152`` in P.V, with
-    ``V_PAIRS`` only (``_core.online_softmax_pairs``)."""
+    ``V_PAIRS`` only (``_core.online_softmax_pairs``). ``cfg["DIRECT_OUT"]`` (bool, off): where
+    the plan is one split of the split grid (B * KV >= the SMs in bf16, e.g. B=32 at KV=8),
+    the kernel finishes its rows into ``out`` (sink, ``1 / l``, ``v_scale``, one rounding:
+    ``_core.finish_rows``) and no partials are written nor merged (one launch fewer)."""
     b, s = out.shape[:2]
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     dot = q_rot.dtype if q_rot is not None else dot
@@ -660,8 +663,13 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         grid = balanced_grid(b * kv, tiles, sms * resident)
         chunk = tiles * cfg["BLOCK_N"]  # (unused)
         splits = min(cdiv(grid[0], b * kv) + 1, tiles)  # o_part slots: parts per pair
-    o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=out.device)
-    lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=out.device)
+    direct = cfg_flag(cfg, "DIRECT_OUT", False, what="decode cfg")
+    cfg["DIRECT_OUT"] = direct = direct and not cfg["BALANCED"] and splits == 1
+    if direct:  # no partials: the kernel finishes its rows into out (no merge launch)
+        o_part = lse_part = out
+    else:
+        o_part = _empty((b, s, n, splits, h), dtype=torch.float32, device=out.device)
+        lse_part = _empty((b, s, n, splits), dtype=torch.float32, device=out.device)
     bias = p.attention_bias
     bias_b, bias_n, bias_s, bias_t = _bias_strides(bias)
     quant_v = present_value.dtype == torch.int8
@@ -679,6 +687,10 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         qs_ptr=q_scale if q_scale is not None else q_any,
         o_part_ptr=o_part,
         lse_part_ptr=lse_part,
+        out_ptr=out,
+        sink_ptr=p.head_sink if p.head_sink is not None else out,
+        HAS_SINK=direct and (p.head_sink is not None or p.smooth_softmax),
+        SINK_FROM_PTR=direct and p.head_sink is not None,
         seq_len=s,
         cap=present_key.shape[2],
         window=max(p.local_window_size, 0),
@@ -713,8 +725,9 @@ def run_decode(q_rot, present_key, present_value, seqlens_k, p, out, cfg=None, n
         **(fused or fused_prologue_args(None, None, None, p, dot, present_key.dtype)),
         **cfg,
     )
-    merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
-                 smooth_softmax=p.smooth_softmax)  # fmt: skip
+    if not direct:
+        merge_splits(o_part, lse_part, out, num_heads=n, head_sink=p.head_sink,
+                     smooth_softmax=p.smooth_softmax)  # fmt: skip
 
 
 def gqa_triton(

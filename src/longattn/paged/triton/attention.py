@@ -32,8 +32,8 @@ import triton.language as tl
 
 from ..._triton_utils import wait_prior_grids
 from ...gqa.triton._core import (
-    add_sink,
     causal_window_mask,
+    finish_rows,
     load_row_scale,
     normalize,
     online_softmax_step,
@@ -149,25 +149,6 @@ def _attend_range(
             )  # fmt: skip
             blk = nxt
     return acc, m_i, l_i
-
-
-@triton.jit
-def _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
-                 HEAD: tl.constexpr, HAS_SINK: tl.constexpr, SINK_FROM_PTR: tl.constexpr,
-                 HAS_VSCALE: tl.constexpr):  # fmt: skip
-    """Sink (once), ``1 / l`` (rows that saw nothing -> zeros), ``v_scale``: ``[ROWS, HEAD]``."""
-    if HAS_SINK:
-        if SINK_FROM_PTR:
-            sink2 = tl.load(sink_ptr + n_idx).to(tl.float32) * 1.4426950408889634  # [ROWS]
-        else:
-            sink2 = tl.zeros_like(m_i)
-        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink2)
-    o = normalize(acc, l_i)
-    if HAS_VSCALE:
-        offs_d = tl.arange(0, HEAD)
-        vs = tl.load(vs_ptr + kvh * stride_vs_h + offs_d * stride_vs_d)  # [HEAD] fp32
-        o = o * vs[None, :]
-    return o
 
 
 @triton.jit
@@ -303,7 +284,7 @@ def paged_attn_kernel(
         )  # fmt: skip
 
         if splits == 1:
-            o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h,
+            o = finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h,
                              stride_vs_d, HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
             o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
             tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -396,7 +377,7 @@ def paged_merge_kernel(
             for sp in range(0, splits):
                 acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_part_ptr, lse_part_ptr, base + sp,
                                             kvh, offs_r, offs_d, row_ok, KV_HEADS, ROWS, HEAD)  # fmt: skip
-        o = _finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
+        o = finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
                          HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
         o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
