@@ -604,6 +604,20 @@ def test_decode_balanced_grid_interpret(name, programs, device, monkeypatch):
     _assert_within_two_roundings_16bit(got, base)
 
 
+def _direct_out_ab(c, device, monkeypatch, **cfg):
+    """Case ``c`` run (and checked) without, then with ``DIRECT_OUT`` (``cfg`` both times):
+    ``(base, got, the second run's split-kernel launch kwargs, its merge calls)``."""
+    with monkeypatch.context() as m:
+        _decode_cfg_with(m, DIRECT_OUT=False, **cfg)
+        base = _run_and_check(c, device)
+    seen = []
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel",
+                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+    merges = _count_calls(monkeypatch, "merge_splits")
+    _decode_cfg_with(monkeypatch, DIRECT_OUT=True, **cfg)
+    return base, _run_and_check(c, device), seen, merges
+
+
 DIRECT_CASES = {
     **{k: dataclasses.replace(c, num_splits=1) for k, c in DECODE_CASES.items()},
     **{f"fused-{k}": dataclasses.replace(c, num_splits=1) for k, c in FUSED_CASES.items()},
@@ -618,17 +632,9 @@ def test_decode_direct_out_interpret(name, device, monkeypatch):
     tolerance, the reference's caches, first-prompt padding rows exactly zero, and within two
     output roundings of the same split written as partials and merged. A sink left out, or
     added twice, fails the sink / smooth cases; a missing ``v_scale`` the int8 ones."""
-    c = DIRECT_CASES[name]
     fused = name.startswith("fused-")
-    with monkeypatch.context() as m:
-        _decode_cfg_with(m, FUSE_PROLOGUE=fused)
-        base = _run_and_check(c, device)
-    seen = []
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel",
-                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
-    merges = _count_calls(monkeypatch, "merge_splits")
-    _decode_cfg_with(monkeypatch, FUSE_PROLOGUE=fused, DIRECT_OUT=True)
-    got = _run_and_check(c, device)
+    base, got, seen, merges = _direct_out_ab(DIRECT_CASES[name], device, monkeypatch,
+                                             FUSE_PROLOGUE=fused)  # fmt: skip
     assert seen and all(kw["DIRECT_OUT"] for kw in seen), "the DIRECT_OUT build did not run"
     assert merges == [], "the merge ran after a direct split"
     _assert_within_two_roundings_16bit(got, base)
@@ -1358,15 +1364,7 @@ def test_decode_direct_out_gpu(name, device, monkeypatch):
     c = GPU_CASES[name]
     if c.b * c.kv < 132:  # the plan would split: one split forced
         c = dataclasses.replace(c, num_splits=1)
-    with monkeypatch.context() as m:
-        _decode_cfg_with(m, DIRECT_OUT=False)
-        base = _run_and_check(c, device)
-    seen = []
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel",
-                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
-    merges = _count_calls(monkeypatch, "merge_splits")
-    _decode_cfg_with(monkeypatch, DIRECT_OUT=True)
-    got = _run_and_check(c, device)
+    base, got, seen, merges = _direct_out_ab(c, device, monkeypatch)
     if not all(kw["DIRECT_OUT"] for kw in seen):  # B=17 / 20 / 24 / 28: parts per pair
         assert all(kw["BALANCED"] or kw["num_splits"] > 1 for kw in seen) and merges == [1]
         return
