@@ -137,6 +137,7 @@ def _presets(cache: str):
     from longattn.gqa.triton.decode import gqa_decode_split_kernel
     from longattn.gqa.triton.prefill import gqa_prefill_kernel
     from longattn.gqa.triton.prefill_gluon import gqa_prefill_gluon_kernel
+    from longattn.paged.triton.attention import paged_attn_kernel
     from longattn.rms_norm_rotary.triton.kernel import _rms_norm_rotary_kernel
     from longattn.sparse.triton.decode import dsa_split_kernel
     from longattn.sparse.triton.indexer import indexer_score_kernel
@@ -175,6 +176,16 @@ def _presets(cache: str):
                             HAS_ROTARY=False, INTERLEAVED=False, HAS_POS=False, HAS_QNORM=False,
                             HAS_KNORM=False, K_QUANT=cache == "i8",
                             **dict(flags, IS_FIRST_PROMPT=False)), 4, 4),
+        "paged-decode": (paged_attn_kernel,
+                         {"q_ptr": f"*{q16}", "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}",
+                          "o_ptr": "*bf16", "cu_ptr": "*i32", "past_ptr": "*i32",
+                          "table_ptr": "*i32", "sink_ptr": "*bf16", "qk_scale": "fp32",
+                          "softcap_mult": "fp32"},
+                         dict(NUM_HEADS=32, KV_HEADS=8, GROUP=4, HEAD=128, ROWS=16, TOK_M=4,
+                              DEC_TOK=1, IS_DECODE=True, BLOCK_N=64, BLOCK_SIZE=64, B_PAD=8,
+                              HAS_SINK=False, SINK_FROM_PTR=False, PDL=False,
+                              **{k: v for k, v in flags.items()
+                                 if k not in ("IS_FIRST_PROMPT", "HAS_BIAS")}), 4, 3),
         "dsa-decode": (dsa_split_kernel,
                        {**{f"{n}_ptr": "*bf16" for n in ("qa", "ka", "va", "xq", "xk", "xv")},
                         "q_ptr": f"*{dsa_q}", "qs_ptr": "*fp32",
@@ -226,7 +237,7 @@ def _value(text: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-prefill-gluon", "gqa-decode", "dsa-decode", "rms", "indexer-score",
+    ap.add_argument("kernel", choices=["gqa-prefill", "gqa-prefill-gluon", "gqa-decode", "paged-decode", "dsa-decode", "rms", "indexer-score",
                                        "indexer-select", "merge", "wgmma-probe"])  # fmt: skip
     ap.add_argument("--set", default="", help="constexpr overrides: NAME=VALUE,...")
     ap.add_argument("--cache", default="bf16", help="K/V cache element type (bf16, fp16, i8)")

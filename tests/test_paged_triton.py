@@ -294,6 +294,30 @@ def test_paged_triton_interpret(name, device):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize(
+    "name", ["bs64-int8ch-softcap-smooth", "bs16-int8-qknorm-partial-packed-group4"]
+)
+def test_int8_tiles_convert_as_the_i2f_build(name, device, monkeypatch):
+    """int8 tiles reach the fp16 dots by ``_triton_utils.cache_to_dot`` (xor + byte permutes,
+    no I2F); the ``I8_I2F`` build (the bench's A/B of the conversion) converts by ``.to``:
+    both exact, so the outputs (decode and prefill launches) are bitwise equal."""
+    new = run_and_check(INTERPRET_CASES[name], device)
+    for cfg in ("decode_config", "prefill_config"):
+        orig = getattr(launch, cfg)
+        monkeypatch.setattr(launch, cfg, lambda *a, orig=orig: dict(orig(*a), I8_I2F=True))
+    seen, kernel = [], launch.paged_attn_kernel
+
+    class Spy:  # kernel[grid](**kw), recording kw
+        def __getitem__(self, grid):
+            return lambda **kw: seen.append(kw) or kernel[grid](**kw)
+
+    monkeypatch.setattr(launch, "paged_attn_kernel", Spy())
+    old = run_and_check(INTERPRET_CASES[name], device)
+    assert seen and all(kw["I8_I2F"] for kw in seen)
+    assert torch.equal(new, old)
+
+
+@pytest.mark.interpret
 def test_split_and_unsplit_agree(device):
     """The same decode-heavy batch with and without key splits (merge vs direct write)."""
     c = Case(seqs=((1, 70), (2, 40), (12, 9)), rotary=None, sink="smooth")

@@ -358,6 +358,24 @@ def test_gqa_decode_fused_prologue_keeps_the_unmasked_loop(cache, block_n, stage
         assert fused["stack"] == 0
 
 
+def test_paged_int8_tiles_skip_the_i2f_unit():
+    """The paged decode kernel (H=128, BLOCK_N 64, block 64, 4 warps, 3 stages) converts int8
+    K / V tiles to fp16 by ``cache_to_dot`` (xor + byte permutes + packed fp16 subtracts):
+    no I2F in any loop (128 per tile by ``.to``, the ``I8_I2F`` build), and a shorter unmasked
+    tile loop (session 44: 744 -> 639 instructions)."""
+    args = ("paged-decode", "--cache", "i8", "--set")
+    new = _sass(*args, "BLOCK_N=64")
+    old = _sass(*args, "BLOCK_N=64,I8_I2F=True")
+
+    def unmasked(r):
+        return min((c for c in r["loops"] if c.get("HMMA")), key=lambda c: c.get("ISETP", 0))
+
+    assert not any(loop.get("I2F", 0) for loop in new["loops"]), new["loops"]
+    assert unmasked(old).get("I2F", 0) >= 128
+    assert sum(unmasked(new).values()) + 80 <= sum(unmasked(old).values())
+    assert new["stack"] == 0
+
+
 @pytest.mark.parametrize("cache", ["bf16", "i8"])
 def test_gqa_decode_direct_out_keeps_the_loop_and_drops_the_partials(cache):
     """``DIRECT_OUT`` (one split: rows finished into the output) changes only the epilogue of

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import wait_prior_grids
+from ..._triton_utils import cache_to_dot, wait_prior_grids
 from ...gqa.triton._core import (
     causal_window_mask,
     finish_rows,
@@ -77,9 +77,12 @@ def load_paged_tile(
     BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     MASKED: tl.constexpr,
+    KEYS: tl.constexpr,  # the tile is K (the Q.K^T operand) rather than V
+    I8_I2F: tl.constexpr = False,  # int8 -> the dot dtype by I2F (the build before session 44)
 ):
-    """``[BLOCK_N, HEAD]`` paged K or V tile converted to the dot dtype (int8 -> exact ints).
-    Inside one block the row addresses are affine (one base + offsets, as a contiguous cache)."""
+    """``[BLOCK_N, HEAD]`` paged K or V tile converted to the dot dtype (int8 -> exact ints,
+    fp16 without the I2F unit: ``_triton_utils.cache_to_dot``, as the GQA kernels). Inside one
+    block the row addresses are affine (one base + offsets, as a contiguous cache)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     if BLOCK_SIZE >= BLOCK_N:
         row = blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -90,7 +93,9 @@ def load_paged_tile(
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
         t = tl.load(ptrs)
-    return t.to(DOT_DTYPE)
+    if I8_I2F:
+        return t.to(DOT_DTYPE)
+    return cache_to_dot(t, DOT_DTYPE, KEYS)
 
 
 @triton.jit
@@ -99,18 +104,19 @@ def _attend_tile(
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    I8_I2F: tl.constexpr = False,
 ):  # fmt: skip
     """Fold the KV tile [start_n, start_n + BLOCK_N) (blocks ``blk``) into the softmax state."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
-                        BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
+                        BLOCK_SIZE, DOT_DTYPE, MASKED, KEYS=True, I8_I2F=I8_I2F)  # fmt: skip
     s, unit = scores(q, k, qk_scale, row_scale, softcap_mult, 0.0, HAS_SOFTCAP, False, DOT_PREC)
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
     v = load_paged_tile(vc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
-                        BLOCK_SIZE, DOT_DTYPE, MASKED)  # fmt: skip
+                        BLOCK_SIZE, DOT_DTYPE, MASKED, KEYS=False, I8_I2F=I8_I2F)  # fmt: skip
     return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
 
 
@@ -120,7 +126,7 @@ def _attend_range(
     max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, I8_I2F: tl.constexpr = False,
 ):  # fmt: skip
     """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched.
     ``row_scale``: ``[ROWS, 1]`` fp32 factors of the rows' dots (power-of-two Q rows), or 1.0.
@@ -134,7 +140,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
                 stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC, I8_I2F,
             )  # fmt: skip
             blk = nxt
             start_n += BLOCK_N
@@ -145,7 +151,7 @@ def _attend_range(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
                 stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
-                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC,
+                BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC, I8_I2F,
             )  # fmt: skip
             blk = nxt
     return acc, m_i, l_i
@@ -198,6 +204,7 @@ def paged_attn_kernel(
     DOT_PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
+    I8_I2F: tl.constexpr = False,  # a decode / prefill cfg option: int8 tiles converted by I2F
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid = tl.program_id(0)
@@ -266,21 +273,21 @@ def paged_attn_kernel(
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_lo, mid_hi, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=False,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
         )  # fmt: skip
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_hi, end, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
         )  # fmt: skip
 
         if splits == 1:
