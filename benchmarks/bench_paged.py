@@ -13,7 +13,8 @@ Sections (results rewritten after each, so a cut-short run keeps what it measure
   block_size 64: the paged decode with an int8 cache (per-tensor scales) vs the bf16 cache on
   the same table and queries, and the contiguous GQA int8 decode on the same lengths;
   ``ours_int8_i2f_us``: the int8 tiles converted by I2F (``I8_I2F``, the build before
-  session 44) for the A/B of the I2F-free conversion.
+  session 44) for the A/B of the I2F-free conversion; ``ours_int8_v_pairs_us``: V read as
+  int16 channel pairs (``V_PAIRS``, an option).
 - ``mixed``: 4 sequences x 2K new tokens (first prompts) + 60 decode sequences (T in 1K..16K) in
   one paged call, vs the two parts run separately with SDPA (causal prefill on the 4 prompts,
   gather + SDPA decode on the 60).
@@ -304,6 +305,10 @@ def int8(rows, copy_tbs, block_size=64):
         i2f_cfg = dict(paged_decode_config(H, torch.float16, torch.int8, False), I8_I2F=True)
         i2f = functools.partial(paged_attention_triton, decode_cfg=i2f_cfg)
         i2f_us = _graph_us(i2f, (q, k, v, kc8, vc8, cu, past, table, p8))
+        # V read as int16 channel pairs (``V_PAIRS``, an option since session 44)
+        pairs_cfg = dict(paged_decode_config(H, torch.float16, torch.int8, False), V_PAIRS=True)
+        pairs = functools.partial(paged_attention_triton, decode_cfg=pairs_cfg)
+        pairs_us = _graph_us(pairs, (q, k, v, kc8, vc8, cu, past, table, p8))
         del kc8, vc8
         torch.cuda.empty_cache()
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV) - 1
@@ -318,7 +323,8 @@ def int8(rows, copy_tbs, block_size=64):
         nbytes8 = sum(lengths) * KV * H * 2
         row = dict(section="int8", B=b, block_size=block_size, T_min=min(lengths), T_max=t_max,
                    KV_MB_int8=nbytes8 / 1e6, ours_bf16_us=bf16_us, ours_int8_us=int8_us,
-                   ours_int8_i2f_us=i2f_us, gqa_contig_int8_us=gqa8_us,
+                   ours_int8_i2f_us=i2f_us, ours_int8_v_pairs_us=pairs_us,
+                   gqa_contig_int8_us=gqa8_us,
                    floor_int8_us=nbytes8 / (copy_tbs * 1e12) * 1e6)  # fmt: skip
         if bf16_us and int8_us:
             row["int8_speedup_vs_bf16"] = bf16_us / int8_us

@@ -79,10 +79,12 @@ CHECKS: dict[str, tuple[int, int, list[str], str]] = {
     "paged_int8": (60, 150, [_PY, "benchmarks/bench_paged.py", "--sections", "int8", "--out",
                              "{out}"],
                    "paged int8 decode: the I2F-free tile conversion (default since session 44, "
-                   "untimed) vs the I8_I2F build (ours_int8_i2f_us), B=8 / 64 ragged"),
+                   "untimed) vs the I8_I2F build (ours_int8_i2f_us) and the V_PAIRS option "
+                   "(ours_int8_v_pairs_us), B=8 / 64 ragged"),
     "tests_paged": (40, 120, [_PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                               "-n", "4", "tests/test_paged_triton.py", "tests/test_paged.py"],
-                    "GPU tests of the paged kernels (int8 tiles without I2F since session 44)"),
+                    "GPU tests of the paged kernels (int8 tiles without I2F since session 44; "
+                    "the I8_I2F and V_PAIRS builds: test_int8_tile_builds_gpu)"),
     "sparse_layer": (
         150, 300,
         [_PY, "benchmarks/bench_sparse.py", "--sections", "layer,cache", "--B", "1,4", "--S",

@@ -293,18 +293,15 @@ def test_paged_triton_interpret(name, device):
     run_and_check(INTERPRET_CASES[name], device)
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize(
-    "name", ["bs64-int8ch-softcap-smooth", "bs16-int8-qknorm-partial-packed-group4"]
-)
-def test_int8_tiles_convert_as_the_i2f_build(name, device, monkeypatch):
-    """int8 tiles reach the fp16 dots by ``_triton_utils.cache_to_dot`` (xor + byte permutes,
-    no I2F); the ``I8_I2F`` build (the bench's A/B of the conversion) converts by ``.to``:
-    both exact, so the outputs (decode and prefill launches) are bitwise equal."""
-    new = run_and_check(INTERPRET_CASES[name], device)
+INT8_BUILDS = {"i2f": dict(I8_I2F=True), "v_pairs": dict(V_PAIRS=True)}
+
+
+def _with_build(monkeypatch, flags: dict) -> list:
+    """Every paged launch from here on with ``flags`` in its decode / prefill config; the
+    returned list collects each launch's kernel kwargs."""
     for cfg in ("decode_config", "prefill_config"):
         orig = getattr(launch, cfg)
-        monkeypatch.setattr(launch, cfg, lambda *a, orig=orig: dict(orig(*a), I8_I2F=True))
+        monkeypatch.setattr(launch, cfg, lambda *a, orig=orig: dict(orig(*a), **flags))
     seen, kernel = [], launch.paged_attn_kernel
 
     class Spy:  # kernel[grid](**kw), recording kw
@@ -312,8 +309,25 @@ def test_int8_tiles_convert_as_the_i2f_build(name, device, monkeypatch):
             return lambda **kw: seen.append(kw) or kernel[grid](**kw)
 
     monkeypatch.setattr(launch, "paged_attn_kernel", Spy())
+    return seen
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("build", list(INT8_BUILDS))
+@pytest.mark.parametrize(
+    "name", ["bs64-int8ch-softcap-smooth", "bs16-int8-qknorm-partial-packed-group4"]
+)
+def test_int8_tile_builds_agree(name, build, device, monkeypatch):
+    """The int8 tile options against the default build (K / V to fp16 by
+    ``_triton_utils.cache_to_dot``: xor + byte permutes, no I2F), decode and prefill launches,
+    fp64 tolerance each: ``I8_I2F`` (the bench's A/B of that conversion: ``.to``) and
+    ``V_PAIRS`` (V read as int16 channel pairs into even / odd accumulators, interleaved after
+    the loops; swapped halves or a wrong interleave fail the fp64 check) are exact
+    conversions of the same values in the same sums: bitwise equal outputs."""
+    new = run_and_check(INTERPRET_CASES[name], device)
+    seen = _with_build(monkeypatch, INT8_BUILDS[build])
     old = run_and_check(INTERPRET_CASES[name], device)
-    assert seen and all(kw["I8_I2F"] for kw in seen)
+    assert seen and all(kw[k] == v for kw in seen for k, v in INT8_BUILDS[build].items())
     assert torch.equal(new, old)
 
 
@@ -455,6 +469,20 @@ GPU_CASES = {
 def test_paged_triton_gpu(name, device):
     run_and_check(GPU_CASES[name], device)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", list(INT8_BUILDS))
+@pytest.mark.parametrize("name", [k for k, c in GPU_CASES.items() if c.cache.startswith("int8")])
+def test_int8_tile_builds_gpu(name, build, device, monkeypatch):
+    """The int8 tile options on real shapes (decode with per-channel scales and a sink, an
+    fp16 prefill): fp64 tolerance, within two output roundings of the default build."""
+    base = run_and_check(GPU_CASES[name], device)
+    seen = _with_build(monkeypatch, INT8_BUILDS[build])
+    got = run_and_check(GPU_CASES[name], device)
+    assert seen and all(kw[k] == v for kw in seen for k, v in INT8_BUILDS[build].items())
+    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
+    assert (got.double() - base.double()).abs().max().item() <= tol
 
 
 @pytest.mark.gpu

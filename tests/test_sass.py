@@ -376,6 +376,24 @@ def test_paged_int8_tiles_skip_the_i2f_unit():
     assert new["stack"] == 0
 
 
+def test_paged_int8_v_pairs_read_v_by_ldmatrix_trans():
+    """``V_PAIRS`` in the paged kernel (an option: the int8 V tile read as int16 channel
+    pairs, as GQA's and DSA's default): no per-byte shared loads (192 ``LDS.U8`` in the
+    default build), V^T by ``ldmatrix.trans``, a shorter unmasked tile loop (session 44: 639 ->
+    480 instructions) and no stack (H=128, BLOCK_N 64, block 64, 4 warps, 3 stages)."""
+    args = ("paged-decode", "--cache", "i8", "--set")
+    pairs = _sass(*args, "BLOCK_N=64,V_PAIRS=True")
+    plain = _sass(*args, "BLOCK_N=64")
+
+    def unmasked(r):
+        return min((c for c in r["loops"] if c.get("HMMA")), key=lambda c: c.get("ISETP", 0))
+
+    assert pairs["memory"].get("LDS.U8", 0) == 0 < plain["memory"].get("LDS.U8", 0)
+    assert pairs["memory"].get("LDSM.16.MT88.4", 0) > 0
+    assert sum(unmasked(pairs).values()) + 100 <= sum(unmasked(plain).values())
+    assert pairs["stack"] == 0
+
+
 @pytest.mark.parametrize("cache", ["bf16", "i8"])
 def test_gqa_decode_direct_out_keeps_the_loop_and_drops_the_partials(cache):
     """``DIRECT_OUT`` (one split: rows finished into the output) changes only the epilogue of

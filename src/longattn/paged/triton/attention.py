@@ -30,12 +30,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..._triton_utils import cache_to_dot, wait_prior_grids
+from ..._triton_utils import (
+    cache_to_dot,
+    int8_pairs_to_fp16,
+    interleave_channels,
+    wait_prior_grids,
+)
 from ...gqa.triton._core import (
     causal_window_mask,
     finish_rows,
     load_row_scale,
     normalize,
+    online_softmax_pairs,
     online_softmax_step,
     scores,
 )
@@ -65,6 +71,34 @@ def next_blocks(table_row, start_n, max_blocks, num_blocks, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _tile_slots(blk, start_n, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``[BLOCK_N]`` int64 cache slots (``block * BLOCK_SIZE + row``) of the tile's keys."""
+    if BLOCK_SIZE >= BLOCK_N:  # one block: affine rows
+        return blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    return blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def load_paged_pairs(cache_ptr, blk, start_n, head_off, end, stride_slot, BLOCK_N: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """A paged int8 V tile as two exact fp16 halves ``(even, odd)`` ``[BLOCK_N, HEAD // 2]``
+    (channels ``2j`` / ``2j + 1``), read as int16 words (``_triton_utils.int8_pairs_to_fp16``;
+    the host checks the cache's base alignment, and ``stride_slot`` / ``head_off`` are
+    multiples of HEAD, which is even): GQA's ``V_PAIRS`` for ``online_softmax_pairs``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row = _tile_slots(blk, start_n, BLOCK_N, BLOCK_SIZE)  # [BLOCK_N] int64
+    words = cache_ptr.to(tl.pointer_type(tl.int16))
+    cols = tl.arange(0, HEAD // 2)  # [HEAD // 2]
+    ptrs = words + ((row * stride_slot + head_off) // 2)[:, None] + cols[None, :]
+    if MASKED:
+        w = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
+    else:
+        w = tl.load(ptrs)
+    return int8_pairs_to_fp16(w)  # [BLOCK_N, HEAD // 2] x 2
+
+
+@triton.jit
 def load_paged_tile(
     cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, HEAD]
     blk,  # int64 physical block(s): scalar (BLOCK_SIZE >= BLOCK_N) or [BLOCK_N]
@@ -84,10 +118,7 @@ def load_paged_tile(
     fp16 without the I2F unit: ``_triton_utils.cache_to_dot``, as the GQA kernels). Inside one
     block the row addresses are affine (one base + offsets, as a contiguous cache)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    if BLOCK_SIZE >= BLOCK_N:
-        row = blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N).to(tl.int64)
-    else:
-        row = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N] slots
+    row = _tile_slots(blk, start_n, BLOCK_N, BLOCK_SIZE)  # [BLOCK_N] int64
     ptrs = cache_ptr + (row * stride_slot + head_off)[:, None] + offs_d[None, :]
     if MASKED:
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
@@ -100,13 +131,14 @@ def load_paged_tile(
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off, stride_slot, window,
+    acc, acc2, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off, stride_slot, window,
     qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    I8_I2F: tl.constexpr = False,
+    I8_I2F: tl.constexpr = False, V_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
-    """Fold the KV tile [start_n, start_n + BLOCK_N) (blocks ``blk``) into the softmax state."""
+    """Fold the KV tile [start_n, start_n + BLOCK_N) (blocks ``blk``) into the softmax state
+    (``V_PAIRS``: ``acc`` / ``acc2`` the even / odd output channels, else ``acc2`` unused)."""
     offs_d = tl.arange(0, HEAD)  # [HEAD]
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = load_paged_tile(kc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
@@ -115,18 +147,26 @@ def _attend_tile(
     if MASKED:
         mask = causal_window_mask(qpos, offs_n, end, window, HAS_WINDOW)
         s = tl.where(mask, s, float("-inf"))
-    v = load_paged_tile(vc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
-                        BLOCK_SIZE, DOT_DTYPE, MASKED, KEYS=False, I8_I2F=I8_I2F)  # fmt: skip
-    return online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
+    if V_PAIRS:
+        v_e, v_o = load_paged_pairs(vc_ptr, blk, start_n, head_off, end, stride_slot, BLOCK_N,
+                                    BLOCK_SIZE, HEAD, MASKED)  # fmt: skip
+        acc, acc2, m_i, l_i = online_softmax_pairs(acc, acc2, m_i, l_i, s, unit, v_e, v_o,
+                                                   DOT_PREC)  # fmt: skip
+    else:
+        v = load_paged_tile(vc_ptr, blk, start_n, offs_d, head_off, end, stride_slot, BLOCK_N,
+                            BLOCK_SIZE, DOT_DTYPE, MASKED, KEYS=False, I8_I2F=I8_I2F)  # fmt: skip
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, unit, v, DOT_PREC)
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, lo, hi, end, head_off, stride_slot,
+    acc, acc2, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, lo, hi, end, head_off, stride_slot,
     max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult, HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, I8_I2F: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """KV tiles lo, lo + BLOCK_N, ... < hi; the next tile's block entries are prefetched.
     ``row_scale``: ``[ROWS, 1]`` fp32 factors of the rows' dots (power-of-two Q rows), or 1.0.
@@ -137,10 +177,11 @@ def _attend_range(
         while start_n < hi:
             nxt = next_blocks(table_row, start_n + BLOCK_N, max_blocks, num_blocks, BLOCK_N,
                               BLOCK_SIZE)  # fmt: skip
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
+            acc, acc2, m_i, l_i = _attend_tile(
+                acc, acc2, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
                 stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC, I8_I2F,
+                V_PAIRS,
             )  # fmt: skip
             blk = nxt
             start_n += BLOCK_N
@@ -148,13 +189,14 @@ def _attend_range(
         for start_n in range(lo, hi, BLOCK_N):
             nxt = next_blocks(table_row, start_n + BLOCK_N, max_blocks, num_blocks, BLOCK_N,
                               BLOCK_SIZE)  # fmt: skip
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
+            acc, acc2, m_i, l_i = _attend_tile(
+                acc, acc2, m_i, l_i, q, qpos, blk, kc_ptr, vc_ptr, start_n, end, head_off,
                 stride_slot, window, qk_scale, row_scale, softcap_mult, HEAD, BLOCK_N,
                 BLOCK_SIZE, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PREC, I8_I2F,
+                V_PAIRS,
             )  # fmt: skip
             blk = nxt
-    return acc, m_i, l_i
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
@@ -205,6 +247,7 @@ def paged_attn_kernel(
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch
     I8_I2F: tl.constexpr = False,  # a decode / prefill cfg option: int8 tiles converted by I2F
+    V_PAIRS: tl.constexpr = False,  # a cfg option: int8 V read as int16 channel pairs
 ):
     wait_prior_grids(PDL)  # first: the previous grid's writes are visible
     pid = tl.program_id(0)
@@ -265,34 +308,41 @@ def paged_attn_kernel(
         table_row = table_ptr + b.to(tl.int64) * stride_table
         head_off = kvh.to(tl.int64) * HEAD
         stride_slot = KV_HEADS * HEAD
-        acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)  # [ROWS, HEAD]
+        if V_PAIRS:  # the even / odd output channels apart until after the tile loops
+            acc = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
+            acc2 = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
+        else:
+            acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)  # [ROWS, HEAD]
+            acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, start, mid_lo, end, head_off,
+        acc, acc2, m_i, l_i = _attend_range(
+            acc, acc2, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, start, mid_lo, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F, V_PAIRS=V_PAIRS,
         )  # fmt: skip
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_lo, mid_hi, end, head_off,
+        acc, acc2, m_i, l_i = _attend_range(
+            acc, acc2, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_lo, mid_hi, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=False,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F, V_PAIRS=V_PAIRS,
         )  # fmt: skip
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_hi, end, end, head_off,
+        acc, acc2, m_i, l_i = _attend_range(
+            acc, acc2, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, mid_hi, end, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
             HEAD=HEAD, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, MASKED=True,
             HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_DTYPE=DOT_DTYPE,
-            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F,
+            DOT_PREC=DOT_PREC, INTERPRET=INTERPRET, I8_I2F=I8_I2F, V_PAIRS=V_PAIRS,
         )  # fmt: skip
+        if V_PAIRS:
+            acc = interleave_channels(acc, acc2)  # [ROWS, HEAD]
 
         if splits == 1:
             o = finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h,
-                             stride_vs_d, HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
+                            stride_vs_d, HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
             o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
             tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
@@ -385,6 +435,6 @@ def paged_merge_kernel(
                 acc, m_i, l_i = _merge_step(acc, m_i, l_i, o_part_ptr, lse_part_ptr, base + sp,
                                             kvh, offs_r, offs_d, row_ok, KV_HEADS, ROWS, HEAD)  # fmt: skip
         o = finish_rows(acc, m_i, l_i, n_idx, kvh, sink_ptr, vs_ptr, stride_vs_h, stride_vs_d,
-                         HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
+                        HEAD, HAS_SINK, SINK_FROM_PTR, HAS_VSCALE)  # fmt: skip
         o_ptrs = o_ptr + (tok * NUM_HEADS + n_idx)[:, None] * HEAD + offs_d[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])

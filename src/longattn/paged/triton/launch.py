@@ -22,7 +22,7 @@ import torch
 
 from ..._triton_prologue import pow2_q_rows
 from ..._triton_utils import TL_DTYPES as _TL_DTYPES
-from ..._triton_utils import cdiv, next_pow2, pdl_kwargs
+from ..._triton_utils import cdiv, cfg_flag, int8_pairs_ok, next_pow2, pdl_kwargs
 from ..._triton_utils import device_sms as _device_sms
 from ..._triton_utils import interpret as _interpret
 from ..._triton_utils import scale_strides as _scale_strides
@@ -195,6 +195,9 @@ def run_attention(q_rot, q_scale, key_cache, value_cache, cu, past, table, p, ou
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     batch = past.shape[0]
     cfg = dict(cfg)
+    # V_PAIRS (an option, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs
+    v_pairs = cfg_flag(cfg, "V_PAIRS", False, what="paged cfg")
+    cfg["V_PAIRS"] = v_pairs and int8_pairs_ok(value_cache, q_rot.dtype == torch.float16)
     block_n = cfg["BLOCK_N"]
     min_chunk = min_chunk or 4 * block_n
     dev = q_rot.device
