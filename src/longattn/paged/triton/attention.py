@@ -71,12 +71,24 @@ def next_blocks(table_row, start_n, max_blocks, num_blocks, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _tile_slots(blk, start_n, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """``[BLOCK_N]`` int64 cache slots (``block * BLOCK_SIZE + row``) of the tile's keys."""
-    if BLOCK_SIZE >= BLOCK_N:  # one block: affine rows
-        return blk * BLOCK_SIZE + (start_n % BLOCK_SIZE) + tl.arange(0, BLOCK_N).to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    return blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)
+def _tile_ptrs(cache_ptr, blk, start_n, head_off, stride_slot, BLOCK_N: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, COLS: tl.constexpr, WORD: tl.constexpr):  # fmt: skip
+    """``[BLOCK_N, COLS]`` pointers to the tile's rows of one KV head read as ``WORD`` words
+    (the cache's element type, or int16 channel pairs). Inside one block (BLOCK_SIZE >=
+    BLOCK_N) the rows are affine: one scalar int64 origin and loop-invariant int32 offsets, as
+    the GQA kernels' contiguous tiles; else one int64 slot per row."""
+    STEP: tl.constexpr = WORD.primitive_bitwidth // cache_ptr.dtype.element_ty.primitive_bitwidth
+    words = cache_ptr.to(tl.pointer_type(WORD))
+    cols = tl.arange(0, COLS)  # [COLS]
+    if BLOCK_SIZE >= BLOCK_N:
+        first = (blk * BLOCK_SIZE + start_n % BLOCK_SIZE) * stride_slot + head_off  # int64
+        rows = tl.arange(0, BLOCK_N) * (stride_slot // STEP)  # [BLOCK_N] int32
+        ptrs = words + first // STEP + (rows[:, None] + cols[None, :])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        slots = blk * BLOCK_SIZE + (offs_n % BLOCK_SIZE).to(tl.int64)  # [BLOCK_N] int64
+        ptrs = words + ((slots * stride_slot + head_off) // STEP)[:, None] + cols[None, :]
+    return ptrs  # [BLOCK_N, COLS]
 
 
 @triton.jit
@@ -87,10 +99,9 @@ def load_paged_pairs(cache_ptr, blk, start_n, head_off, end, stride_slot, BLOCK_
     the host checks the cache's base alignment, and ``stride_slot`` / ``head_off`` are
     multiples of HEAD, which is even): GQA's ``V_PAIRS`` for ``online_softmax_pairs``."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row = _tile_slots(blk, start_n, BLOCK_N, BLOCK_SIZE)  # [BLOCK_N] int64
-    words = cache_ptr.to(tl.pointer_type(tl.int16))
-    cols = tl.arange(0, HEAD // 2)  # [HEAD // 2]
-    ptrs = words + ((row * stride_slot + head_off) // 2)[:, None] + cols[None, :]
+    ptrs = _tile_ptrs(
+        cache_ptr, blk, start_n, head_off, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD // 2, tl.int16
+    )  # [BLOCK_N, HEAD // 2] fmt: skip
     if MASKED:
         w = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
@@ -118,8 +129,10 @@ def load_paged_tile(
     fp16 without the I2F unit: ``_triton_utils.cache_to_dot``, as the GQA kernels). Inside one
     block the row addresses are affine (one base + offsets, as a contiguous cache)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    row = _tile_slots(blk, start_n, BLOCK_N, BLOCK_SIZE)  # [BLOCK_N] int64
-    ptrs = cache_ptr + (row * stride_slot + head_off)[:, None] + offs_d[None, :]
+    ELEM: tl.constexpr = cache_ptr.dtype.element_ty
+    ptrs = _tile_ptrs(
+        cache_ptr, blk, start_n, head_off, stride_slot, BLOCK_N, BLOCK_SIZE, offs_d.shape[0], ELEM
+    )  # [BLOCK_N, HEAD] fmt: skip
     if MASKED:
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
