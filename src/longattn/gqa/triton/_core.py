@@ -191,6 +191,22 @@ def softmax_weights(m_i, l_i, s, unit):
 
 
 @triton.jit
+def softmax_state(ROWS: tl.constexpr, HEAD: tl.constexpr, V_PAIRS: tl.constexpr = False):
+    """The empty running state ``(acc, acc2, m, l)`` of ``ROWS`` rows: ``acc [ROWS, HEAD]``
+    fp32 (``acc2`` unused), or with ``V_PAIRS`` the even / odd output channels apart until after
+    the tile loops (``online_softmax_pairs``), ``[ROWS, HEAD // 2]`` each."""
+    if V_PAIRS:
+        acc = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
+        acc2 = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
+    else:
+        acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)  # [ROWS, HEAD]
+        acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)  # [ROWS]
+    l_i = tl.zeros([ROWS], dtype=tl.float32)  # [ROWS]
+    return acc, acc2, m_i, l_i
+
+
+@triton.jit
 def online_softmax_pairs(acc_e, acc_o, m_i, l_i, s, unit, v_e, v_o, DOT_PREC: tl.constexpr,
                          V_SHIFT: tl.constexpr = False):  # fmt: skip
     """``online_softmax_step`` with V in two halves (``load_int8_pairs``): the even channels

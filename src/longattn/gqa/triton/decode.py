@@ -60,6 +60,7 @@ from ._core import (
     scores,
     scores_pairs,
     softcap_log2,
+    softmax_state,
     unshift_acc,
 )
 
@@ -289,14 +290,7 @@ def _split_part(
         q_lo, q_hi = tl.split(tl.reshape(q, (ROWS_PAD, HEAD // 2, 2)))
     else:
         q_lo, q_hi = q, q  # (q_hi unused)
-    if V_PAIRS:  # the even / odd output channels apart until after the tile loops
-        acc = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
-        acc2 = tl.zeros([ROWS_PAD, HEAD // 2], dtype=tl.float32)  # [ROWS_PAD, HEAD // 2]
-    else:
-        acc = tl.zeros([ROWS_PAD, HEAD], dtype=tl.float32)  # [ROWS_PAD, HEAD]
-        acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
-    m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
+    acc, acc2, m_i, l_i = softmax_state(ROWS_PAD, HEAD, V_PAIRS)  # V_PAIRS: even / odd halves
     # Keys < full_end are visible to every valid row (causal: <= the first new token's
     # position); whole tiles of them skip the mask. The window edge keeps every tile masked.
     # Such tiles need offset >= BLOCK_N, i.e. a subsequent prompt, where every stored row is

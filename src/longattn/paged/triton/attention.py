@@ -44,6 +44,7 @@ from ...gqa.triton._core import (
     online_softmax_pairs,
     online_softmax_step,
     scores,
+    softmax_state,
 )
 from ._schedule import pick, schedule
 
@@ -321,14 +322,7 @@ def paged_attn_kernel(
         table_row = table_ptr + b.to(tl.int64) * stride_table
         head_off = kvh.to(tl.int64) * HEAD
         stride_slot = KV_HEADS * HEAD
-        if V_PAIRS:  # the even / odd output channels apart until after the tile loops
-            acc = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
-            acc2 = tl.zeros([ROWS, HEAD // 2], dtype=tl.float32)  # [ROWS, HEAD // 2]
-        else:
-            acc = tl.zeros([ROWS, HEAD], dtype=tl.float32)  # [ROWS, HEAD]
-            acc2 = tl.zeros([1], dtype=tl.float32)  # (unused)
-        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc, acc2, m_i, l_i = softmax_state(ROWS, HEAD, V_PAIRS)
         acc, acc2, m_i, l_i = _attend_range(
             acc, acc2, m_i, l_i, q, qpos, table_row, kc_ptr, vc_ptr, start, mid_lo, end, head_off,
             stride_slot, max_blocks, num_blocks, window, qk_scale, row_scale, softcap_mult,
