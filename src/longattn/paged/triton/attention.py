@@ -102,7 +102,7 @@ def load_paged_pairs(cache_ptr, blk, start_n, head_off, end, stride_slot, BLOCK_
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ptrs = _tile_ptrs(
         cache_ptr, blk, start_n, head_off, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD // 2, tl.int16
-    )  # [BLOCK_N, HEAD // 2] fmt: skip
+    )  # [BLOCK_N, HEAD // 2] int16 words
     if MASKED:
         w = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
@@ -133,7 +133,7 @@ def load_paged_tile(
     ELEM: tl.constexpr = cache_ptr.dtype.element_ty
     ptrs = _tile_ptrs(
         cache_ptr, blk, start_n, head_off, stride_slot, BLOCK_N, BLOCK_SIZE, offs_d.shape[0], ELEM
-    )  # [BLOCK_N, HEAD] fmt: skip
+    )  # [BLOCK_N, HEAD]
     if MASKED:
         t = tl.load(ptrs, mask=(offs_n < end)[:, None], other=0)
     else:
