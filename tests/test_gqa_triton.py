@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from _kernel_checks import KernelSpy, assert_within_two_roundings
 from longattn._attention_torch import (
     attention_unfused,
     contiguous_positions,
@@ -337,18 +338,12 @@ FUSED_CASES = {
 }  # fmt: skip
 
 
-def _assert_within_two_roundings(got, base):
-    """A fused variant's output is within two output roundings of the unfused tier's."""
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
-
-
 def _assert_within_two_roundings_16bit(got, base):
-    """As ``_assert_within_two_roundings`` for 16-bit outputs. An fp32 output of another split
+    """As ``assert_within_two_roundings`` for 16-bit outputs. An fp32 output of another split
     partition differs by the fp32 roundings of different partial sums (a few ulp, e.g. 7.2e-7
     at max |out| ~ 1 on the GPU), not by output roundings: the fp64 check covers it."""
     if got.dtype != torch.float32:
-        _assert_within_two_roundings(got, base)
+        assert_within_two_roundings(got, base)
 
 
 def _decode_cfg_with(monkeypatch, **extra):
@@ -383,7 +378,7 @@ def test_decode_fused_prologue_interpret(name, device, monkeypatch):
     _fused_decode_config(monkeypatch)
     got = _run_and_check(c, device)
     assert calls == [], "the fused path launched the prologue kernel"
-    _assert_within_two_roundings(got, base)
+    assert_within_two_roundings(got, base)
 
 
 BALANCED_CASES = {
@@ -426,7 +421,7 @@ def test_decode_int8_v_pairs_interpret(name, flags, device, monkeypatch):
         plain = _run_and_check(DECODE_CASES[name], device)
     seen = []
     orig = launch.gqa_decode_split_kernel
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", KernelSpy(orig, seen))
     _decode_cfg_with(monkeypatch, **PAIR_FLAGS[flags])
     pairs = _run_and_check(DECODE_CASES[name], device)
     assert seen, "no split kernel ran"
@@ -472,7 +467,7 @@ def test_decode_int8_k_shift_interpret(name, k_pairs, shift, device, monkeypatch
         plain = _run_and_check(c, device)
     seen = []
     orig = launch.gqa_decode_split_kernel
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", KernelSpy(orig, seen))
     _decode_cfg_with(monkeypatch, **SHIFT_FLAGS[shift], **extra)
     shifted = _run_and_check(c, device)
     assert seen and all(kw["K_PAIRS"] == k_pairs for kw in seen)
@@ -487,7 +482,7 @@ def test_decode_int8_k_shift_off_with_softcap(device, monkeypatch):
     16-bit caches, which keep ``V_SHIFT`` off too (it needs ``V_PAIRS``)."""
     seen = []
     orig = launch.gqa_decode_split_kernel
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", KernelSpy(orig, seen))
     _decode_cfg_with(monkeypatch, K_SHIFT=True, V_SHIFT=True)
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
     _run_and_check(DECODE_CASES["ragged-splits4-group4"], device)
@@ -505,20 +500,6 @@ def _shift_int8_caches(monkeypatch):
         return real((math.prod(shape) + 1,), dtype, device)[1:].view(shape)
 
     monkeypatch.setitem(globals(), "nan_tensor", shifted)
-
-
-class _KernelSpy:
-    """``kernel[grid](**kw)`` that records ``kw`` and launches ``kernel``."""
-
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def launch_(**kw):
-            self.seen.append(kw)
-            return self.kernel[grid](**kw)
-
-        return launch_
 
 
 def test_int8_pairs_gate():
@@ -539,7 +520,7 @@ def test_decode_int8_v_pairs_off_for_an_odd_cache(device, monkeypatch):
     _decode_cfg_with(monkeypatch, V_PAIRS=True, K_PAIRS=True)
     seen = []
     orig = launch.gqa_decode_split_kernel
-    monkeypatch.setattr(launch, "gqa_decode_split_kernel", _KernelSpy(orig, seen))
+    monkeypatch.setattr(launch, "gqa_decode_split_kernel", KernelSpy(orig, seen))
     _shift_int8_caches(monkeypatch)
     _run_and_check(DECODE_CASES["sink-window-softcap-int8"], device)
     assert seen and not any(kw["V_PAIRS"] or kw["K_PAIRS"] for kw in seen)
@@ -612,7 +593,7 @@ def _direct_out_ab(c, device, monkeypatch, **cfg):
         base = _run_and_check(c, device)
     seen = []
     monkeypatch.setattr(launch, "gqa_decode_split_kernel",
-                        _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+                        KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
     merges = _count_calls(monkeypatch, "merge_splits")
     _decode_cfg_with(monkeypatch, DIRECT_OUT=True, **cfg)
     return base, _run_and_check(c, device), seen, merges
@@ -649,7 +630,7 @@ def test_decode_direct_out_needs_one_split_of_the_split_grid(device, monkeypatch
         with monkeypatch.context() as m:
             seen = []
             m.setattr(launch, "gqa_decode_split_kernel",
-                      _KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
+                      KernelSpy(launch.gqa_decode_split_kernel, seen))  # fmt: skip
             merges = _count_calls(m, "merge_splits")
             _decode_cfg_with(m, DIRECT_OUT=True, **extra)
             _run_and_check(dataclasses.replace(c, num_splits=None if extra else 3), device)
@@ -1262,7 +1243,7 @@ def test_decode_fused_prologue_gpu(name, device, monkeypatch):
     calls = _count_calls(monkeypatch, "run_prologue")
     _fused_decode_config(monkeypatch)
     got = _run_and_check(c, device)
-    _assert_within_two_roundings(got, base)
+    assert_within_two_roundings(got, base)
     assert calls == [], "the fused path launched the prologue kernel"
 
 

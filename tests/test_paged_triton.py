@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from _kernel_checks import KernelSpy, assert_within_two_roundings
 from longattn import _attention_torch as at
 from longattn._rotary import rope_cache
 from longattn.paged import _slots, _torch_steps
@@ -302,13 +303,8 @@ def _with_build(monkeypatch, flags: dict) -> list:
     for cfg in ("decode_config", "prefill_config"):
         orig = getattr(launch, cfg)
         monkeypatch.setattr(launch, cfg, lambda *a, orig=orig: dict(orig(*a), **flags))
-    seen, kernel = [], launch.paged_attn_kernel
-
-    class Spy:  # kernel[grid](**kw), recording kw
-        def __getitem__(self, grid):
-            return lambda **kw: seen.append(kw) or kernel[grid](**kw)
-
-    monkeypatch.setattr(launch, "paged_attn_kernel", Spy())
+    seen = []
+    monkeypatch.setattr(launch, "paged_attn_kernel", KernelSpy(launch.paged_attn_kernel, seen))
     return seen
 
 
@@ -481,8 +477,7 @@ def test_int8_tile_builds_gpu(name, build, device, monkeypatch):
     seen = _with_build(monkeypatch, INT8_BUILDS[build])
     got = run_and_check(GPU_CASES[name], device)
     assert seen and all(kw[k] == v for kw in seen for k, v in INT8_BUILDS[build].items())
-    tol = 2 * torch.finfo(got.dtype).eps * base.abs().max().item()
-    assert (got.double() - base.double()).abs().max().item() <= tol
+    assert_within_two_roundings(got, base)
 
 
 @pytest.mark.gpu
