@@ -284,6 +284,12 @@ def mixed(rows, copy_tbs, block_size=64):
     rows.append(row)
 
 
+# A/B builds of the int8 section (rows ours_int8_<name>_us): "i2f" the tiles converted by I2F
+# (I8_I2F, the build before session 44), "v_pairs" V read as int16 channel pairs (V_PAIRS, an
+# option since session 44)
+INT8_VARIANTS = {"i2f": dict(I8_I2F=True), "v_pairs": dict(V_PAIRS=True)}
+
+
 def int8(rows, copy_tbs, block_size=64):
     """Paged decode with an int8 cache (per-tensor scales) vs the bf16 cache, same ragged
     lengths, block table and queries; contiguous GQA int8 decode on the same lengths."""
@@ -301,14 +307,14 @@ def int8(rows, copy_tbs, block_size=64):
         del kc, vc
         p8 = dataclasses.replace(p, k_scale=scale, v_scale=scale)
         int8_us = _graph_us(paged_attention_triton, (q, k, v, kc8, vc8, cu, past, table, p8))
-        # the int8 tiles converted by I2F, the build before session 44 (``I8_I2F``)
-        i2f_cfg = dict(paged_decode_config(H, torch.float16, torch.int8, False), I8_I2F=True)
-        i2f = functools.partial(paged_attention_triton, decode_cfg=i2f_cfg)
-        i2f_us = _graph_us(i2f, (q, k, v, kc8, vc8, cu, past, table, p8))
-        # V read as int16 channel pairs (``V_PAIRS``, an option since session 44)
-        pairs_cfg = dict(paged_decode_config(H, torch.float16, torch.int8, False), V_PAIRS=True)
-        pairs = functools.partial(paged_attention_triton, decode_cfg=pairs_cfg)
-        pairs_us = _graph_us(pairs, (q, k, v, kc8, vc8, cu, past, table, p8))
+        base_cfg = paged_decode_config(H, torch.float16, torch.int8, False)
+        variant_us = {
+            f"ours_int8_{name}_us": _graph_us(
+                functools.partial(paged_attention_triton, decode_cfg=dict(base_cfg, **flags)),
+                (q, k, v, kc8, vc8, cu, past, table, p8),
+            )
+            for name, flags in INT8_VARIANTS.items()
+        }
         del kc8, vc8
         torch.cuda.empty_cache()
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV) - 1
@@ -323,8 +329,7 @@ def int8(rows, copy_tbs, block_size=64):
         nbytes8 = sum(lengths) * KV * H * 2
         row = dict(section="int8", B=b, block_size=block_size, T_min=min(lengths), T_max=t_max,
                    KV_MB_int8=nbytes8 / 1e6, ours_bf16_us=bf16_us, ours_int8_us=int8_us,
-                   ours_int8_i2f_us=i2f_us, ours_int8_v_pairs_us=pairs_us,
-                   gqa_contig_int8_us=gqa8_us,
+                   **variant_us, gqa_contig_int8_us=gqa8_us,
                    floor_int8_us=nbytes8 / (copy_tbs * 1e12) * 1e6)  # fmt: skip
         if bf16_us and int8_us:
             row["int8_speedup_vs_bf16"] = bf16_us / int8_us

@@ -358,6 +358,11 @@ def test_gqa_decode_fused_prologue_keeps_the_unmasked_loop(cache, block_n, stage
         assert fused["stack"] == 0
 
 
+def _unmasked_mma_loop(res: dict) -> dict:
+    """The tile loop of an ``mma.sync`` build with the fewest compares (the unmasked one)."""
+    return min((c for c in res["loops"] if c.get("HMMA")), key=lambda c: c.get("ISETP", 0))
+
+
 def test_paged_int8_tiles_skip_the_i2f_unit():
     """The paged decode kernel (H=128, BLOCK_N 64, block 64, 4 warps, 3 stages) converts int8
     K / V tiles to fp16 by ``cache_to_dot`` (xor + byte permutes + packed fp16 subtracts):
@@ -367,12 +372,9 @@ def test_paged_int8_tiles_skip_the_i2f_unit():
     new = _sass(*args, "BLOCK_N=64")
     old = _sass(*args, "BLOCK_N=64,I8_I2F=True")
 
-    def unmasked(r):
-        return min((c for c in r["loops"] if c.get("HMMA")), key=lambda c: c.get("ISETP", 0))
-
     assert not any(loop.get("I2F", 0) for loop in new["loops"]), new["loops"]
-    assert unmasked(old).get("I2F", 0) >= 128
-    assert sum(unmasked(new).values()) + 80 <= sum(unmasked(old).values())
+    assert _unmasked_mma_loop(old).get("I2F", 0) >= 128
+    assert sum(_unmasked_mma_loop(new).values()) + 80 <= sum(_unmasked_mma_loop(old).values())
     assert new["stack"] == 0
 
 
@@ -385,12 +387,9 @@ def test_paged_int8_v_pairs_read_v_by_ldmatrix_trans():
     pairs = _sass(*args, "BLOCK_N=64,V_PAIRS=True")
     plain = _sass(*args, "BLOCK_N=64")
 
-    def unmasked(r):
-        return min((c for c in r["loops"] if c.get("HMMA")), key=lambda c: c.get("ISETP", 0))
-
     assert pairs["memory"].get("LDS.U8", 0) == 0 < plain["memory"].get("LDS.U8", 0)
     assert pairs["memory"].get("LDSM.16.MT88.4", 0) > 0
-    assert sum(unmasked(pairs).values()) + 100 <= sum(unmasked(plain).values())
+    assert sum(_unmasked_mma_loop(pairs).values()) + 100 <= sum(_unmasked_mma_loop(plain).values())
     assert pairs["stack"] == 0
 
 
@@ -550,7 +549,7 @@ def test_gqa_int8_wide_tiles_take_ldmatrix_operands():
     def unmasked(res):
         return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
 
-    w, o = unmasked(wide), unmasked(old)
+    w, o = unmasked(wide), _unmasked_mma_loop(old)
     assert w.get("HMMA", 0) == o.get("HMMA", 0) > 0
     assert sum(w.values()) <= 760 < sum(o.values()), (sum(w.values()), sum(o.values()))
     assert w.get("IMAD", 0) <= 60 < o.get("IMAD", 0), (w, o)  # no Q rebuild by moves
@@ -572,7 +571,7 @@ def test_gqa_int8_v_pairs_read_v_by_ldmatrix_trans():
     def unmasked(res):
         return min(res["loops"], key=lambda c: c.get("ISETP", 0) + c.get("FSEL", 0))
 
-    v, o = unmasked(pairs), unmasked(old)
+    v, o = _unmasked_mma_loop(pairs), _unmasked_mma_loop(old)
     assert v.get("HMMA", 0) == o.get("HMMA", 0) > 0
     assert sum(v.values()) <= 800 < sum(o.values()), (sum(v.values()), sum(o.values()))
     assert pairs["regs"] < 255 == old["regs"] and pairs["stack"] == 0
