@@ -327,6 +327,16 @@ def test_int8_tile_builds_agree(name, build, device, monkeypatch):
     assert torch.equal(new, old)
 
 
+@pytest.mark.parametrize("flag", ["V_PAIRS", "I8_I2F"])
+def test_int8_tile_options_must_be_bools(flag, device):
+    """A tuning flag given as 1 would silently pick another build: a ValueError names it."""
+    bt = build(INTERPRET_CASES["bs64-int8ch-softcap-smooth"], device)
+    cfg = dict(launch.decode_config(bt.p.head_size, FP16, INT8, True), **{flag: 1})
+    with pytest.raises(ValueError, match=rf"paged cfg\['{flag}'\] must be a bool, got 1"):
+        paged_attention_triton(bt.query, bt.key, bt.value, bt.key_cache, bt.value_cache, bt.cu,
+                               bt.past, bt.table, bt.p, decode_cfg=cfg)  # fmt: skip
+
+
 @pytest.mark.interpret
 def test_split_and_unsplit_agree(device):
     """The same decode-heavy batch with and without key splits (merge vs direct write)."""

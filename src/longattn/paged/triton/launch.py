@@ -195,9 +195,11 @@ def run_attention(q_rot, q_scale, key_cache, value_cache, cu, past, table, p, ou
     n, kv, h = p.num_heads, p.kv_num_heads, p.head_size
     batch = past.shape[0]
     cfg = dict(cfg)
-    # V_PAIRS (an option, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs
+    # V_PAIRS (an option, off): an int8 V cache (fp16 P.V dot) read as int16 channel pairs;
+    # I8_I2F (off): int8 tiles converted by I2F (the build before session 44, for A/Bs)
     v_pairs = cfg_flag(cfg, "V_PAIRS", False, what="paged cfg")
     cfg["V_PAIRS"] = v_pairs and int8_pairs_ok(value_cache, q_rot.dtype == torch.float16)
+    cfg["I8_I2F"] = cfg_flag(cfg, "I8_I2F", False, what="paged cfg")
     block_n = cfg["BLOCK_N"]
     min_chunk = min_chunk or 4 * block_n
     dev = q_rot.device
